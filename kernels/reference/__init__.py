@@ -1,0 +1,23 @@
+"""Pure-torch reference kernels: the CPU path and the oracle for the Triton kernels."""
+
+from __future__ import annotations
+
+from .attention import paged_attention_decode_ref, paged_attention_prefill_ref, store_kv_ref
+from .conv1d import Conv1dOutput, causal_conv1d_ref, causal_conv1d_update_ref
+from .norm import gated_rms_norm_ref, rms_norm_ref
+from .ssd import ChunkScanOutput, mamba_chunk_scan_ref
+from .state_update import selective_state_update_ref
+
+__all__ = [
+    "ChunkScanOutput",
+    "Conv1dOutput",
+    "causal_conv1d_ref",
+    "causal_conv1d_update_ref",
+    "gated_rms_norm_ref",
+    "mamba_chunk_scan_ref",
+    "paged_attention_decode_ref",
+    "paged_attention_prefill_ref",
+    "rms_norm_ref",
+    "selective_state_update_ref",
+    "store_kv_ref",
+]

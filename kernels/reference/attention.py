@@ -1,0 +1,129 @@
+"""Paged KV cache store and causal attention over it (GQA), in pure torch.
+
+Cache layout: key_cache and value_cache are (num_blocks, block_size, Hkv, D) and may be strided
+views into a larger pool, so they are only ever indexed, never reshaped in place. Token position
+p of sequence s lives at block block_tables[s, p // block_size], offset p % block_size. Query
+head h reads kv head h // (H // Hkv).
+
+    context of one sequence:  [ cached prefix ......... | new tokens (q_len) ]
+    positions:                  0                         seq_len - q_len ... seq_len - 1
+    the new token at position p attends to positions [0, p].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot.
+
+    Shapes: key, value: (T, Hkv, D); key_cache, value_cache: (num_blocks, block_size, Hkv, D);
+    slot_mapping: (T,) flat slot block_id * block_size + offset, -1 skips the token.
+    """
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def paged_attention_prefill_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' cached context.
+
+    Shapes (T new tokens, S sequences, H query heads, Hkv kv heads, D head dim):
+        q: (T, H, D)
+        key_cache, value_cache: (num_blocks, block_size, Hkv, D), already holding the new tokens
+        block_tables: (S, max_blocks); entries past a sequence's last block are ignored
+        cu_seqlens_q: (S + 1,) cumulative new-token offsets
+        seq_lens: (S,) context length including the new tokens
+    Returns (T, H, D) in q.dtype; the softmax runs in float32.
+    """
+    H = q.shape[1]
+    Hkv = key_cache.shape[2]
+    offsets = cu_seqlens_q.tolist()
+    out = torch.empty_like(q)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = offsets[s], offsets[s + 1]
+        k, v = _gather_context(key_cache, value_cache, block_tables[s], seq_len)  # (L, Hkv, D)
+        # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q_len, L)
+        o = F.scaled_dot_product_attention(
+            q[start:end].float().transpose(0, 1),  # (H, q_len, D)
+            k.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1),
+            v.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new token per row over its whole context, all rows at once.
+
+    Shapes (Bt rows, H query heads, Hkv kv heads, D head dim):
+        q: (Bt, H, D)
+        key_cache, value_cache: (num_blocks, block_size, Hkv, D), already holding the new token
+        block_tables: (Bt, max_blocks); entries past a row's last block are ignored
+        seq_lens: (Bt,) context length including the new token; a row with 0 outputs zeros
+    Returns (Bt, H, D) in q.dtype; the softmax runs in float32.
+    """
+    Bt, H, D = q.shape
+    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(seq_lens.max()) if Bt > 0 else 0
+    if max_len == 0:
+        return q.new_zeros((Bt, H, D))
+    # NOTE: only the first ceil(max_len / block_size) columns are gathered, not the table's full
+    # width; entries past each row's own last block may be garbage, so they read block 0 instead.
+    num_cols = -(-max_len // block_size)
+    cols = torch.arange(num_cols, device=q.device)
+    row_blocks = -(-seq_lens // block_size)
+    blocks = torch.where(cols < row_blocks[:, None], block_tables[:, :num_cols], 0).long()
+    k = key_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
+    v = value_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
+
+    qg = q.float().reshape(Bt, Hkv, H // Hkv, D)  # query heads grouped by their kv head
+    scores = torch.einsum("bgrd,bkgd->bgrk", qg, k) * scale  # (Bt, Hkv, H // Hkv, num_keys)
+    pad = torch.arange(num_cols * block_size, device=q.device) >= seq_lens[:, None]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row (seq_len 0) gives NaN
+    out = torch.einsum("bgrk,bkgd->bgrd", probs, v)
+    return out.reshape(Bt, H, D).to(q.dtype)
+
+
+def _gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, seq_len) of one sequence: two (seq_len, Hkv, D)."""
+    block_size = key_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v

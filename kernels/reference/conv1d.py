@@ -1,0 +1,136 @@
+"""Depthwise causal conv1d over packed sequences, with the conv state kept in a slot pool.
+
+The conv state of a sequence is its last W - 1 inputs (pre-conv, pre-activation), oldest first.
+For one sequence of L tokens, with history h (the initial state) and inputs x:
+
+    u = [ h_0 ... h_{W-2} | x_0 ... x_{L-1} ]
+    out_t = act(bias + sum_k weight[:, k] * u[t + k])   the window u[t : t + W] ends at x_t
+    state after pos tokens = u[pos : pos + W - 1]       still part history while pos < W - 1
+
+Products and sums are float32; outputs are cast to x.dtype and states to the pool's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._common import positions_by_seq, read_slots, write_slots
+
+
+@dataclass
+class Conv1dOutput:
+    out: torch.Tensor  # (T, C), dtype of x
+    position_states: torch.Tensor | None  # (K, C, W - 1), conv_states.dtype; None if not requested
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    conv_states: torch.Tensor,
+    initial_state_slots: torch.Tensor,
+    final_state_slots: torch.Tensor,
+    activation: str | None = "silu",
+    state_positions: torch.Tensor | None = None,
+) -> Conv1dOutput:
+    """Causal depthwise conv over S packed sequences, reading and writing conv states by slot.
+
+    Shapes (T tokens in total, C channels, W kernel width):
+        x: (T, C); weight: (C, W); bias: (C,)
+        cu_seqlens: (S + 1,) cumulative token offsets; every sequence has at least one token
+        conv_states: (num_slots, C, W - 1), written in place at `final_state_slots`
+        initial_state_slots: (S,); -1 starts from a zero history
+        final_state_slots: (S,); -1 skips writing the sequence's final state
+        state_positions: (K, 2) rows (seq_index, pos) with 1 <= pos <= len(seq)
+
+    Returns `out` (T, C) in x.dtype and, when `state_positions` is given, `position_states`
+    (K, C, W - 1) in conv_states.dtype: the conv state after the first `pos` tokens of sequence
+    `seq_index`. All initial states are read before any final state is written.
+    """
+    T, C = x.shape
+    W = weight.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    assert weight.shape == (C, W) and conv_states.shape[1:] == (C, W - 1)
+    assert initial_state_slots.shape == (num_seqs,) and final_state_slots.shape == (num_seqs,)
+    _check_activation(activation)
+
+    histories = read_slots(conv_states, initial_state_slots).transpose(1, 2)  # (S, W - 1, C)
+    offsets = cu_seqlens.tolist()
+    positions = positions_by_seq(state_positions, offsets)
+    weight_t = weight.float().t()  # (W, C)
+
+    out = x.new_empty((T, C), dtype=torch.float32)
+    final_states = histories.new_empty((num_seqs, W - 1, C))
+    num_positions = 0 if state_positions is None else state_positions.shape[0]
+    position_states = histories.new_empty((num_positions, W - 1, C))
+    for s in range(num_seqs):
+        start, end = offsets[s], offsets[s + 1]
+        u = torch.cat([histories[s], x[start:end].float()])  # (W - 1 + L, C)
+        windows = u.unfold(0, W, 1)  # (L, C, W): windows[t, :, k] = u[t + k]
+        out[start:end] = torch.einsum("lcw,wc->lc", windows, weight_t)
+        final_states[s] = u[end - start :]
+        for row, pos in positions[s]:
+            position_states[row] = u[pos : pos + W - 1]
+    if bias is not None:
+        out += bias.float()
+    if activation == "silu":
+        out = F.silu(out)
+
+    write_slots(conv_states, final_state_slots, final_states.transpose(1, 2))
+    return Conv1dOutput(
+        out=out.to(x.dtype),
+        position_states=(
+            None
+            if state_positions is None
+            else position_states.transpose(1, 2).to(conv_states.dtype)
+        ),
+    )
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One token per row: convolve it with its slot's history, then shift it into the history.
+
+    Shapes (Bt rows, C channels, W kernel width):
+        x: (Bt, C); weight: (C, W); bias: (C,)
+        conv_states: (num_slots, C, W - 1), updated in place (shift left, append x)
+        state_slots: (Bt,); -1 marks a padding row
+    Returns (Bt, C) in x.dtype. Padding rows leave the pool untouched and output zeros. Rows must
+    use distinct slots.
+    """
+    Bt, C = x.shape
+    W = weight.shape[1]
+    assert weight.shape == (C, W) and conv_states.shape[1:] == (C, W - 1)
+    assert state_slots.shape == (Bt,)
+    _check_activation(activation)
+
+    valid = state_slots >= 0
+    slots = state_slots[valid].long()
+    u = torch.cat([conv_states[slots].float(), x[valid].float()[:, :, None]], dim=2)  # (b, C, W)
+    y = (u * weight.float()).sum(dim=2)
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "silu":
+        y = F.silu(y)
+    conv_states[slots] = u[:, :, 1:].to(conv_states.dtype)
+
+    out = x.new_zeros((Bt, C))
+    out[valid] = y.to(x.dtype)
+    return out
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")

@@ -1,0 +1,169 @@
+"""Tiny builders shared by the tests: HF reference checkpoints and engine shortcuts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 128
+
+
+def _nemotron_h(**overrides: Any) -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        **(
+            {
+                "vocab_size": VOCAB,
+                "hidden_size": 64,
+                "layers_block_type": [
+                    "linear_attention",
+                    "moe",
+                    "full_attention",
+                    "mlp",
+                    "linear_attention",
+                    "full_attention",
+                    "moe",
+                ],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "intermediate_size": 96,
+                "ssm_state_size": 16,
+                "mamba_num_heads": 8,
+                "mamba_head_dim": 8,
+                "n_groups": 2,
+                "chunk_size": 16,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 2,
+                "topk_group": 1,
+                "moe_intermediate_size": 32,
+                "moe_shared_expert_intermediate_size": 48,
+                # transformers clamps dt at time_step_min in its prompt path only (see
+                # workers/models/nemotron_h.py); keep the clamp out of reach so both paths agree.
+                "time_step_min": 1e-6,
+            }
+            | overrides
+        )
+    )
+    return NemotronHForCausalLM(config)
+
+
+def _bamba(**overrides: Any) -> Any:
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(
+        **(
+            {
+                "vocab_size": VOCAB,
+                "hidden_size": 64,
+                "num_hidden_layers": 4,
+                "attn_layer_indices": [1, 3],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 96,
+                "mamba_n_heads": 8,
+                "mamba_n_groups": 2,
+                "mamba_d_state": 16,
+                "mamba_chunk_size": 16,
+            }
+            | overrides
+        )
+    )
+    return BambaForCausalLM(config)
+
+
+def _granite(**overrides: Any) -> Any:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        **(
+            {
+                "vocab_size": VOCAB,
+                "hidden_size": 64,
+                "num_hidden_layers": 4,
+                "layer_types": ["mamba", "attention", "mamba", "mamba"],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 32,
+                "shared_intermediate_size": 48,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "mamba_n_heads": 8,
+                "mamba_n_groups": 2,
+                "mamba_d_state": 16,
+                "mamba_chunk_size": 16,
+                "position_embedding_type": None,
+                "embedding_multiplier": 6.0,
+                "residual_multiplier": 0.5,
+                "attention_multiplier": 1 / 16,
+                "logits_scaling": 2.0,
+            }
+            | overrides
+        )
+    )
+    return GraniteMoeHybridForCausalLM(config)
+
+
+BUILDERS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granite}
+ARCHITECTURES = tuple(BUILDERS)
+
+
+def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    """A seeded random fp32 transformers model with peaked logits (few near-ties)."""
+    torch.manual_seed(seed)
+    common = {
+        "initializer_range": 0.2,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    model = BUILDERS[arch](**(common | overrides)).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "dt_bias") and hasattr(module, "A_log"):
+                # dt = softplus(dt_bias + ...) spread over [0.01, 0.2]: a well-conditioned scan.
+                dt = 0.01 + 0.19 * torch.rand(module.dt_bias.shape, generator=generator)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    return model
+
+
+def save_hf_checkpoint(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    return model(torch.tensor([prompt])).logits[0].float()
+
+
+def assert_pools_at_baseline(engine: Any) -> None:
+    engine.check_integrity()
+    assert engine.cache.num_free_blocks == engine.runner.num_kv_blocks
+    assert engine.cache.num_free_slots == engine.runner.num_mamba_slots

@@ -1,0 +1,71 @@
+"""Our engine against HF transformers on tiny random checkpoints of each architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.workers import LLM, SamplingParams
+from tests.helpers import (
+    ARCHITECTURES,
+    assert_pools_at_baseline,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+    random_prompts,
+)
+
+PROMPT_LENGTHS = [1, 2, 7, 16, 33, 100, 181, 300]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def reference(request, tmp_path_factory):
+    """(arch, checkpoint folder, prompts, HF greedy tokens, HF prompt logits)."""
+    arch = request.param
+    model = make_hf_model(arch)
+    folder = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(folder)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    tokens = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    logits = [hf_logits(model, p) for p in prompts]
+    return arch, folder, prompts, tokens, logits
+
+
+def test_greedy_tokens_and_prompt_logits_match_transformers(reference):
+    _, folder, prompts, hf_tokens, hf_prompt_logits = reference
+    llm = LLM(str(folder))
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == hf_tokens
+    assert all(o.finish_reason == "length" for o in outputs)
+    for ours, theirs in zip(llm.prompt_logits(prompts), hf_prompt_logits, strict=True):
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max() <= 1e-4
+    assert_pools_at_baseline(llm.engine)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 64])
+def test_chunked_prefill_and_block_sizes_match_transformers(
+    reference, max_num_batched_tokens, block_size
+):
+    _, folder, prompts, hf_tokens, hf_prompt_logits = reference
+    llm = LLM(str(folder), max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == hf_tokens
+    # Logits of a prompt computed in budget-sized chunks equal one full forward.
+    (ours,) = llm.prompt_logits([prompts[-1]])
+    assert (ours - hf_prompt_logits[-1]).abs().max() <= 1e-4
+    assert_pools_at_baseline(llm.engine)
+
+
+def test_requests_together_equal_each_alone(reference):
+    """16 requests of different lengths in one engine (decodes mixed with prefill chunks)
+    produce what each produces on its own."""
+    _, folder, _, _, _ = reference
+    prompts = random_prompts([3 + 19 * i for i in range(16)], seed=7)
+    llm = LLM(str(folder), max_num_batched_tokens=48, block_size=8)
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert together == alone
+    assert_pools_at_baseline(llm.engine)

@@ -1,0 +1,201 @@
+"""Engine: one model replica. `add_request` / `step` / `abort`, nano-vllm shaped:
+
+out = scheduler.schedule()          # who runs, how many tokens (pure Python)
+result = runner.execute(out, cache) # tensors, model, sampling
+scheduler.update(out, result)       # cursors, stop checks, freeing
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+
+import torch
+
+from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.model_runner import ModelRunner
+from hybridserve.workers.models.loader import open_checkpoint
+from hybridserve.workers.outputs import RequestOutput
+from hybridserve.workers.request import Request
+from hybridserve.workers.sampler import mix_seed
+from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.scheduler import Scheduler
+from hybridserve.workers.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        checkpoint = open_checkpoint(config.model)
+        self.model_config = checkpoint.config
+        self.tokenizer: Tokenizer | None = checkpoint.tokenizer
+        self.eos_token_ids = frozenset(checkpoint.eos_token_ids)
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the model's "
+                f"max_position_embeddings={model_max}"
+            )
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        self.cache = HybridCacheManager(
+            num_blocks=self.runner.num_kv_blocks,
+            block_size=config.block_size,
+            num_slots=self.runner.num_mamba_slots,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self._requests: dict[str, Request] = {}
+        self._prompt_logits: dict[str, list[torch.Tensor]] = {}
+        self._num_prompt_tokens: dict[str, int] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s (%s, %d layers), max_model_len=%d, device=%s",
+            checkpoint.name,
+            self.model_config.architecture,
+            len(self.model_config.layer_kinds),
+            self.max_model_len,
+            self.runner.device,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        return_prompt_logits: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. Everything is validated before anything is
+        allocated, so a bad request raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        self._validate_prompt(request_id, token_ids)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seed = (
+            params.seed
+            if params.seed is not None
+            else mix_seed(
+                self.config.seed,
+                int.from_bytes(
+                    hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"
+                ),
+            )
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            stop_token_ids=frozenset(stop_ids),
+            sample_seed=seed,
+        )
+        self._requests[request_id] = request
+        if return_prompt_logits:
+            self.runner.keep_logits.add(request_id)
+            self._prompt_logits[request_id] = []
+            self._num_prompt_tokens[request_id] = len(token_ids)
+        self.scheduler.add(request)
+        return request_id
+
+    def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {request_id}: the prompt has {len(token_ids)} tokens, "
+                f"more than max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next(
+            (
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(
+                f"request {request_id}: token id {bad!r} is outside the vocabulary [0, {vocab})"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and release what it holds; None if unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        self._forget(request_id)
+        return request.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; returns an output for every request that got a token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "no request could be scheduled: the caches cannot hold even "
+                    "one request; this is a sizing bug"
+                )
+            return []
+        for request in out.preempted:  # recomputed from scratch: collected logits start over
+            if request.request_id in self._prompt_logits:
+                self._prompt_logits[request.request_id] = []
+        result = self.runner.execute(out, self.cache)
+        for request_id, logits in result.chunk_logits.items():
+            self._prompt_logits[request_id].append(logits)
+        outputs = []
+        for request in self.scheduler.update(out, result.sampled):
+            output = request.to_output()
+            if request.is_finished:
+                del self._requests[request.request_id]
+                if self.tokenizer is not None:
+                    output.text = self.tokenizer.decode(output.token_ids)
+                self.runner.keep_logits.discard(request.request_id)
+            outputs.append(output)
+        if not self.scheduler.has_unfinished():
+            self.check_integrity()
+        return outputs
+
+    def take_prompt_logits(self, request_id: str) -> torch.Tensor:
+        """Logits (num_prompt_tokens, vocab) of a finished request added with
+        `return_prompt_logits=True`: row i predicts token i + 1."""
+        logits = torch.cat(self._prompt_logits.pop(request_id))
+        return logits[: self._num_prompt_tokens.pop(request_id)]
+
+    def _forget(self, request_id: str) -> None:
+        self.runner.keep_logits.discard(request_id)
+        self._prompt_logits.pop(request_id, None)
+        self._num_prompt_tokens.pop(request_id, None)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()

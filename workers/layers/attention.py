@@ -1,0 +1,88 @@
+"""Softmax attention over the paged KV cache (GQA, optional RoPE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.kernels import paged_attention_decode, paged_attention_prefill, store_kv
+from hybridserve.workers.forward_batch import ForwardBatch
+from hybridserve.workers.layers.linear import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+)
+from hybridserve.workers.layers.rope import RotaryEmbedding
+from hybridserve.workers.models.config import AttentionSpec
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        hidden_size: int,
+        max_positions: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = parallel.split(spec.num_heads, "num_attention_heads")
+        self.num_kv_heads = parallel.split(spec.num_kv_heads, "num_key_value_heads")
+        self.head_dim = spec.head_dim
+        self.scale = spec.scale
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        common = {"parallel": parallel, "dtype": dtype, "device": device}
+        self.q_proj = ColumnParallelLinear(
+            hidden_size, [q_size], spec.bias, name="q_proj", **common
+        )
+        self.k_proj = ColumnParallelLinear(
+            hidden_size, [kv_size], spec.bias, name="k_proj", **common
+        )
+        self.v_proj = ColumnParallelLinear(
+            hidden_size, [kv_size], spec.bias, name="v_proj", **common
+        )
+        self.o_proj = RowParallelLinear(q_size, hidden_size, spec.bias, name="o_proj", **common)
+        self.rope = (
+            RotaryEmbedding(spec.rope, max_positions, device) if spec.rope is not None else None
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.rope is not None:
+            q, k = self.rope(batch.positions, q, k)
+        key_cache, value_cache = kv_cache
+        store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+
+        nd = batch.num_decode
+        parts = []
+        if nd:
+            parts.append(
+                paged_attention_decode(
+                    q[:nd],
+                    key_cache,
+                    value_cache,
+                    block_tables=batch.block_tables[:nd],
+                    seq_lens=batch.seq_lens[:nd],
+                    scale=self.scale,
+                )
+            )
+        if num_tokens > nd:
+            parts.append(
+                paged_attention_prefill(
+                    q[nd:],
+                    key_cache,
+                    value_cache,
+                    block_tables=batch.block_tables[nd:],
+                    cu_seqlens_q=batch.prefill_cu_seqlens,
+                    seq_lens=batch.seq_lens[nd:],
+                    scale=self.scale,
+                )
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,148 @@
+"""Mixture of experts: a router picks top-k experts per token, plus an optional shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.workers.layers.activation import ACTIVATIONS
+from hybridserve.workers.layers.linear import (
+    ParallelContext,
+    ReplicatedLinear,
+    mark_shard,
+    new_param,
+)
+from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.models.config import MoESpec
+
+
+class Router(nn.Module):
+    def __init__(
+        self, spec: MoESpec, hidden_size: int, dtype: torch.dtype, device: torch.device | str | None
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        if spec.router == "sigmoid_grouped":
+            # Routing is precision-sensitive: these stay float32 whatever the model dtype.
+            self.weight = new_param(
+                spec.num_experts, hidden_size, dtype=torch.float32, device=device
+            )
+            self.score_bias = new_param(spec.num_experts, dtype=torch.float32, device=device)
+        else:
+            self.weight = new_param(spec.num_experts, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (T, Hd) -> expert ids (T, k) and their weights (T, k) float32."""
+        spec = self.spec
+        if spec.router == "softmax_topk":
+            logits = F.linear(hidden, self.weight).float()
+            top_logits, expert_ids = logits.topk(spec.top_k, dim=-1)
+            return expert_ids, torch.softmax(top_logits, dim=-1).to(hidden.dtype).float()
+
+        scores = F.linear(hidden.float(), self.weight).sigmoid()
+        choice = scores + self.score_bias
+        # Keep only the best `topk_groups` expert groups (a group scores by its top two experts).
+        grouped = choice.view(
+            -1, spec.num_expert_groups, spec.num_experts // spec.num_expert_groups
+        )
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        group_ids = group_scores.topk(spec.topk_groups, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
+        expert_ids = choice.topk(spec.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * spec.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """All routed experts' weights as stacked tensors: up (E, I or 2I, Hin), down (E, Hin, I)."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        input_size: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.gated = spec.gated
+        self.act = ACTIVATIONS[spec.activation]
+        size = spec.intermediate_size
+        local = parallel.split(size, "moe_intermediate_size")
+        up_sections = [size, size] if spec.gated else [size]
+        self.up = mark_shard(
+            new_param(
+                spec.num_experts, local * len(up_sections), input_size, dtype=dtype, device=device
+            ),
+            1,
+            up_sections,
+        )
+        self.down = mark_shard(
+            new_param(spec.num_experts, input_size, local, dtype=dtype, device=device), 2, [size]
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden (T, Hin), expert_ids / weights (T, k) -> (T, Hin) float32 partial sums."""
+        top_k = expert_ids.shape[1]
+        flat_experts = expert_ids.flatten()
+        order = flat_experts.argsort(stable=True)
+        token_ids = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.up.shape[0]).tolist()
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = order[start : start + count]
+            tokens = token_ids[start : start + count]
+            start += count
+            projected = F.linear(hidden[tokens], self.up[expert])
+            if self.gated:
+                gate, up = projected.chunk(2, dim=-1)
+                activated = self.act(gate) * up
+            else:
+                activated = self.act(projected)
+            expert_out = F.linear(activated, self.down[expert])
+            out.index_add_(0, tokens, expert_out.float() * weights.flatten()[rows, None])
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        spec: MoESpec,
+        hidden_size: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.router = Router(spec, hidden_size, dtype, device)
+        expert_input = spec.latent_size or hidden_size
+        # NemotronH's optional latent space: experts run on a narrower projection of the input.
+        self.latent_in = self.latent_out = None
+        if spec.latent_size is not None:
+            self.latent_in = ReplicatedLinear(hidden_size, spec.latent_size, False, dtype, device)
+            self.latent_out = ReplicatedLinear(spec.latent_size, hidden_size, False, dtype, device)
+        self.experts = Experts(spec, expert_input, parallel, dtype, device)
+        self.shared = (
+            MLP(spec.shared, hidden_size, parallel, dtype, device)
+            if spec.shared is not None
+            else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights = self.router(hidden)
+        routed_input = hidden if self.latent_in is None else self.latent_in(hidden)
+        routed = self.parallel.reduce(self.experts(routed_input, expert_ids, weights))
+        routed = routed.to(hidden.dtype)
+        if self.latent_out is not None:
+            routed = self.latent_out(routed)
+        return routed if self.shared is None else routed + self.shared(hidden)

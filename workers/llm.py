@@ -1,0 +1,81 @@
+"""Offline generation in one process (the vLLM `LLM` interface)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.engine import Engine
+from hybridserve.workers.outputs import RequestOutput
+from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", **engine_args: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params or SamplingParams()] * len(prompt_list)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
+        request_ids = [
+            self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
+        finished = self._run(request_ids, use_tqdm, "generating")
+        return [finished[i] for i in request_ids]
+
+    def prompt_logits(self, prompts: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Float32 logits (num_prompt_tokens, vocab) for each prompt: row i predicts token i+1."""
+        request_ids = [
+            self.engine.add_request(
+                list(p), SamplingParams(max_tokens=1), return_prompt_logits=True
+            )
+            for p in prompts
+        ]
+        self._run(request_ids, False, "scoring")
+        return [self.engine.take_prompt_logits(i) for i in request_ids]
+
+    def _run(
+        self, request_ids: list[str], use_tqdm: bool | None, what: str
+    ) -> dict[str, RequestOutput]:
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc=what, unit="req", disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return finished
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    return items

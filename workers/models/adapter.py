@@ -1,0 +1,145 @@
+"""What an architecture adapter provides: config parsing and checkpoint weight names.
+
+Internal parameter names come from `HybridForCausalLM` (`layers.{j}.op.in_proj.weight`, ...).
+An adapter says, for each internal name, which checkpoint tensors fill it: a list of
+alternatives (e.g. `backbone.*` or `model.*` prefixes, per-expert or fused expert tensors), each
+a list of `WeightSource`s that together make up the full (unsharded) parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridserve.workers.models.config import (
+    AttentionSpec,
+    ConfigReader,
+    HybridModelConfig,
+    MambaSpec,
+    RopeSpec,
+)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    key: str
+    # Where this tensor goes along dim 0 of the full parameter (an expert id, or a row range
+    # when separate gate and up projections fill one fused matrix); None = the whole parameter.
+    index: int | slice | None = None
+
+
+Alternatives = list[list[WeightSource]]
+
+
+class ArchitectureAdapter(Protocol):
+    model_types: tuple[str, ...]
+    # Checkpoint tensors we knowingly do not use (e.g. multi-token-prediction heads).
+    ignored_keys: re.Pattern[str] | None
+
+    def parse_config(self, reader: ConfigReader) -> HybridModelConfig: ...
+
+    def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives: ...
+
+
+# Internal Mamba mixer parameter -> its name inside an HF mixer module.
+MAMBA_RENAMES = {
+    "conv_weight": "conv1d.weight",
+    "conv_bias": "conv1d.bias",
+    "norm_weight": "norm.weight",
+}
+
+LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def single(key: str) -> Alternatives:
+    return [[WeightSource(key)]]
+
+
+def mamba_key(prefix: str, param: str) -> str:
+    return f"{prefix}.{MAMBA_RENAMES.get(param, param)}"
+
+
+def stacked_experts(prefix: str, fused: str, per_expert: str, num_experts: int) -> Alternatives:
+    """Routed experts stored either as one 3-D tensor or as one 2-D tensor per expert."""
+    return [
+        [WeightSource(f"{prefix}.{fused}")],
+        [WeightSource(f"{prefix}.{e}.{per_expert}", e) for e in range(num_experts)],
+    ]
+
+
+def check_mamba(
+    reader: ConfigReader,
+    spec: MambaSpec,
+    *,
+    heads_field: str,
+    groups_field: str,
+    activation_field: str,
+) -> None:
+    if spec.num_heads % spec.n_groups:
+        raise reader.error(
+            groups_field, f"{spec.n_groups} groups do not divide {heads_field}={spec.num_heads}"
+        )
+    if spec.activation != "silu":
+        raise reader.error(
+            activation_field, f"the Mamba conv activation must be silu, got {spec.activation!r}"
+        )
+
+
+def attention_spec(
+    reader: ConfigReader,
+    hidden: int,
+    *,
+    bias: bool,
+    rope_partial: float | None,
+    scale: float | None = None,
+) -> AttentionSpec:
+    """Attention geometry; `rope_partial` is the default rotary fraction, None for no RoPE."""
+    heads = reader.int("num_attention_heads")
+    kv_heads = reader.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise reader.error(
+            "num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}"
+        )
+    head_dim = reader.int("head_dim", hidden // heads, aliases=("attention_head_dim",))
+    rope = None if rope_partial is None else rope_spec(reader, head_dim, rope_partial)
+    return AttentionSpec(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        bias=bias,
+        scale=head_dim**-0.5 if scale is None else scale,
+        rope=rope,
+    )
+
+
+def rope_spec(reader: ConfigReader, head_dim: int, default_partial: float) -> RopeSpec:
+    """RoPE from `rope_parameters` (current) or top-level `rope_theta` / `rope_scaling` (legacy)."""
+    params = reader.raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise reader.error("rope_parameters", f"expected an object, got {params!r}")
+    scaling = reader.raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", scaling.get("rope_type", "default")))
+    if rope_type != "default":
+        raise reader.error(
+            "rope_parameters.rope_type", f"unsupported rope type {rope_type!r} (supported: default)"
+        )
+    theta = params.get("rope_theta", reader.raw.get("rope_theta", 10000.0))
+    partial = params.get(
+        "partial_rotary_factor", reader.raw.get("partial_rotary_factor", default_partial)
+    )
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise reader.error(
+            "rope_parameters.rope_theta", f"expected a positive number, got {theta!r}"
+        )
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise reader.error(
+            "rope_parameters.partial_rotary_factor", f"expected a number in (0, 1], got {partial!r}"
+        )
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2:
+        raise reader.error(
+            "rope_parameters.partial_rotary_factor",
+            f"gives an odd rotary dimension {rotary_dim} for head_dim {head_dim}",
+        )
+    return RopeSpec(theta=float(theta), rotary_dim=rotary_dim)

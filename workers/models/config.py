@@ -1,0 +1,293 @@
+"""The one internal description of a hybrid model, whatever checkpoint format it came from.
+
+Every supported architecture (NemotronH, Bamba, GraniteMoeHybrid) is normalised into a
+`HybridModelConfig`: a flat list of residual sublayers, each `norm -> op -> residual add`, where
+`op` is one of four kinds. A Bamba decoder layer "mamba + MLP" becomes two sublayers; a NemotronH
+layer is already one. The model code (`workers/models/hybrid.py`) only ever reads this type.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+LayerKind = Literal["mamba", "attention", "mlp", "moe"]
+Activation = Literal["silu", "relu2", "gelu"]
+Architecture = Literal["nemotron_h", "bamba", "granitemoehybrid"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unusable; the message names the file and the field or weight."""
+
+    kind = "entry"
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        super().__init__(f"{file}: {self.kind} '{field}': {message}")
+        self.file = file
+        self.field = field
+
+
+class ConfigError(CheckpointError):
+    kind = "field"
+
+
+class WeightError(CheckpointError):
+    kind = "weight"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MambaSpec(_Frozen):
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    activation: Activation
+    norm_eps: float
+    # dt is clamped to this range after bias + softplus, in prefill and decode alike.
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def group_state_size(self) -> int:
+        return self.n_groups * self.state_size
+
+    @property
+    def conv_dim(self) -> int:
+        # conv rows are three sections: x (intermediate) | B (groups * state) | C (groups * state)
+        return self.intermediate_size + 2 * self.group_state_size
+
+
+class RopeSpec(_Frozen):
+    theta: float
+    rotary_dim: int
+
+
+class AttentionSpec(_Frozen):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    scale: float
+    rope: RopeSpec | None
+
+
+class MLPSpec(_Frozen):
+    intermediate_size: int
+    activation: Activation
+    # gated: act(gate(x)) * up(x); otherwise act(up(x)).
+    gated: bool
+    bias: bool
+
+
+class MoESpec(_Frozen):
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    activation: Activation
+    gated: bool
+    # "sigmoid_grouped": sigmoid scores + correction bias, group-limited top-k (NemotronH,
+    # DeepSeek-V3).
+    # "softmax_topk": top-k of the logits, softmax over the chosen k (Granite / Mixtral).
+    router: Literal["sigmoid_grouped", "softmax_topk"]
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None
+    shared: MLPSpec | None = None
+
+
+class HybridModelConfig(_Frozen):
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    layer_kinds: tuple[LayerKind, ...]
+    norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    mamba: MambaSpec | None = None
+    attention: AttentionSpec | None = None
+    mlp: MLPSpec | None = None
+    moe: MoESpec | None = None
+
+    def model_post_init(self, context: Any, /) -> None:
+        for kind in set(self.layer_kinds):
+            if getattr(self, kind) is None:
+                raise ValueError(f"layer kind '{kind}' is used but has no spec")
+
+    @cached_property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "mamba")
+
+    @cached_property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return len(self.mamba_layer_ids)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layer_ids)
+
+
+_MISSING: Any = object()
+
+
+class ConfigReader:
+    """Reads typed fields out of a raw `config.json` dict with aliases and named errors."""
+
+    def __init__(self, raw: dict[str, Any], file: str) -> None:
+        self.raw = raw
+        self.file = file
+
+    def error(self, field: str, message: str) -> ConfigError:
+        return ConfigError(self.file, field, message)
+
+    def has(self, *names: str) -> bool:
+        return any(self.raw.get(name) is not None for name in names)
+
+    def _lookup(self, name: str, aliases: tuple[str, ...]) -> tuple[str, Any]:
+        for key in (name, *aliases):
+            if self.raw.get(key) is not None:
+                return key, self.raw[key]
+        return name, _MISSING
+
+    def int(
+        self, name: str, default: Any = _MISSING, *, aliases: tuple[str, ...] = (), minimum: int = 1
+    ) -> int:
+        key, value = self._lookup(name, aliases)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.error(name, "required but missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def float(
+        self,
+        name: str,
+        default: Any = _MISSING,
+        *,
+        aliases: tuple[str, ...] = (),
+        positive: bool = False,
+    ) -> float:
+        key, value = self._lookup(name, aliases)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.error(name, "required but missing")
+            return default
+        number = parse_float(value)
+        if number is None:
+            raise self.error(key, f"expected a number, got {value!r}")
+        if positive and not number > 0:
+            raise self.error(key, f"must be > 0, got {value!r}")
+        return number
+
+    def bool(self, name: str, default: Any = _MISSING, *, aliases: tuple[str, ...] = ()) -> bool:
+        key, value = self._lookup(name, aliases)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.error(name, "required but missing")
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {value!r}")
+        return value
+
+    def activation(self, name: str, default: Any = _MISSING) -> Activation:
+        key, value = self._lookup(name, ())
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.error(name, "required but missing")
+            value = default
+        aliases = {"silu": "silu", "swish": "silu", "relu2": "relu2", "gelu": "gelu"}
+        if value not in aliases:
+            raise self.error(
+                key, f"unsupported activation {value!r} (supported: silu, relu2, gelu)"
+            )
+        return aliases[value]  # type: ignore[return-value]
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        value = self.raw.get(name)
+        if value is None:
+            return ()
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise self.error(name, f"expected a token id or a list of token ids, got {value!r}")
+        return tuple(values)
+
+    def dt_limit(self, name: str, *, aliases: tuple[str, ...] = ()) -> tuple[float, float]:
+        name, value = self._lookup(name, aliases)
+        if value is _MISSING:
+            return (0.0, math.inf)
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise self.error(name, f"expected [min, max], got {value!r}")
+        low, high = parse_float(value[0]), parse_float(value[1])
+        if low is None or high is None or not 0 <= low < high:
+            raise self.error(name, f"expected 0 <= min < max, got {value!r}")
+        return (low, high)
+
+
+def parse_float(value: Any) -> float | None:
+    """A JSON number, or the encodings transformers uses for non-finite floats."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    if isinstance(value, str) and value in ("Infinity", "-Infinity", "inf", "-inf", "NaN"):
+        return float(value.replace("Infinity", "inf"))
+    return None
+
+
+_LAYER_NAMES: dict[str, LayerKind] = {
+    "mamba": "mamba",
+    "mamba2": "mamba",
+    "linear_attention": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def parse_layer_names(reader: ConfigReader, field: str, allowed: set[LayerKind]) -> list[LayerKind]:
+    """A list of per-layer type names (current and legacy spellings) -> our layer kinds."""
+    value = reader.raw[field]
+    if not isinstance(value, list) or not value:
+        raise reader.error(field, f"expected a non-empty list of layer types, got {value!r}")
+    kinds: list[LayerKind] = []
+    for index, name in enumerate(value):
+        kind = _LAYER_NAMES.get(name) if isinstance(name, str) else None
+        if kind is None or kind not in allowed:
+            known = sorted(n for n, k in _LAYER_NAMES.items() if k in allowed)
+            raise reader.error(
+                field, f"unknown layer type {name!r} at index {index} (known: {', '.join(known)})"
+            )
+        kinds.append(kind)
+    return kinds

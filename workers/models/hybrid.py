@@ -1,0 +1,115 @@
+"""One model definition for every supported hybrid architecture.
+
+The checkpoint format differences live in the architecture adapters (`nemotron_h.py`,
+`bamba.py`, `granite_moe_hybrid.py`); this module only sees a `HybridModelConfig`: a stack of
+residual sublayers `x + residual_multiplier * op(norm(x))`, each op one of mamba / attention /
+mlp / moe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
+from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.linear import ParallelContext, new_param
+from hybridserve.workers.layers.mamba_mixer import MambaMixer
+from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.layers.moe import MoE
+from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.models.config import HybridModelConfig, LayerKind
+
+
+class Sublayer(nn.Module):
+    def __init__(
+        self,
+        config: HybridModelConfig,
+        kind: LayerKind,
+        cache_index: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        # Index of this layer inside the KV pool (attention) or the Mamba slot pool (mamba).
+        self.cache_index = cache_index
+        hidden = config.hidden_size
+        self.norm = RMSNorm(hidden, config.norm_eps, dtype, device)
+        self.op: nn.Module
+        if kind == "mamba":
+            assert config.mamba is not None
+            self.op = MambaMixer(config.mamba, hidden, parallel, dtype, device)
+        elif kind == "attention":
+            assert config.attention is not None
+            self.op = Attention(
+                config.attention, hidden, config.max_position_embeddings, parallel, dtype, device
+            )
+        elif kind == "mlp":
+            assert config.mlp is not None
+            self.op = MLP(config.mlp, hidden, parallel, dtype, device)
+        else:
+            assert config.moe is not None
+            self.op = MoE(config.moe, hidden, parallel, dtype, device)
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
+    ) -> torch.Tensor:
+        normed = self.norm(hidden)
+        if self.kind == "mamba":
+            return self.op(normed, batch, caches.mamba_layer(self.cache_index))
+        if self.kind == "attention":
+            return self.op(normed, batch, caches.kv_layer(self.cache_index))
+        return self.op(normed)
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: HybridModelConfig,
+        parallel: ParallelContext | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        parallel = parallel or ParallelContext()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed.weight.requires_grad_(False)
+        cache_indices = {"mamba": 0, "attention": 0}
+        layers = []
+        for kind in config.layer_kinds:
+            index = cache_indices.get(kind, -1)
+            if kind in cache_indices:
+                cache_indices[kind] += 1
+            layers.append(Sublayer(config, kind, index, parallel, dtype, device))
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else new_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head
+
+    def forward(self, batch: ForwardBatch, caches: StateCaches) -> torch.Tensor:
+        """Final-normed hidden states (T, hidden) for every token of the batch."""
+        hidden = self.embed(batch.input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
+        residual_multiplier = self.config.residual_multiplier
+        for layer in self.layers:
+            out = layer(hidden, batch, caches)
+            hidden = hidden + (out if residual_multiplier == 1.0 else out * residual_multiplier)
+        return self.final_norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) -> float32 logits (R, vocab)."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        divisor = self.config.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor

@@ -1,0 +1,211 @@
+"""Open an HF-format checkpoint (or the built-in `tiny` model) and load it into our model.
+
+A checkpoint is a folder with `config.json`, `*.safetensors` and usually `tokenizer.json` +
+`tokenizer_config.json`. Weights are read tensor by tensor, assembled into full parameters
+(stacking per-expert tensors, fusing gate/up projections), then sliced for this TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+
+from hybridserve.workers.layers.linear import ParallelContext, shard_tensor
+from hybridserve.workers.models.adapter import ArchitectureAdapter, WeightSource
+from hybridserve.workers.models.config import (
+    ConfigError,
+    ConfigReader,
+    HybridModelConfig,
+    WeightError,
+)
+from hybridserve.workers.models.hybrid import HybridForCausalLM
+from hybridserve.workers.models.registry import get_adapter
+from hybridserve.workers.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TensorSource(Protocol):
+    """Named tensors of a checkpoint, wherever they are stored."""
+
+    description: str
+
+    def keys(self) -> Iterable[str]: ...
+
+    def file_of(self, key: str) -> str: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
+class SafetensorsSource:
+    def __init__(self, folder: Path) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise WeightError(str(folder), "*.safetensors", "no weight files in the checkpoint")
+        self.description = ", ".join(f.name for f in files)
+        self._file_of: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    self._file_of[key] = file
+        self._handles: dict[Path, Any] = {}
+
+    def keys(self) -> Iterable[str]:
+        return self._file_of.keys()
+
+    def file_of(self, key: str) -> str:
+        return self._file_of[key].name
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self._file_of[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file].get_tensor(key)
+
+
+@dataclass
+class MemorySource:
+    tensors: dict[str, torch.Tensor]
+    description: str = "model.safetensors"
+
+    def keys(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def file_of(self, key: str) -> str:
+        return self.description
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    raw_config: dict[str, Any]
+    config_file: str
+    tensors: TensorSource
+    tokenizer: Tokenizer | None
+    # Extra stop ids from generation_config.json (HF generate stops on these too).
+    generation_eos_ids: tuple[int, ...] = ()
+    adapter: ArchitectureAdapter = field(init=False)
+    config: HybridModelConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.adapter = get_adapter(self.raw_config.get("model_type"), self.config_file)
+        self.config = self.adapter.parse_config(ConfigReader(self.raw_config, self.config_file))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(self.config.eos_token_ids + self.generation_eos_ids))
+
+
+def open_checkpoint(model: str) -> Checkpoint:
+    """`model` is "tiny" (built in) or a path to an HF-format checkpoint folder."""
+    if model == "tiny":
+        from hybridserve.workers.models.tiny import tiny_checkpoint
+
+        return tiny_checkpoint()
+    folder = Path(model).expanduser()
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"model {model!r}: no config.json there (expected 'tiny' or an "
+            "HF-format checkpoint folder; nothing is downloaded)"
+        )
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(str(config_file), "(file)", f"not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(str(config_file), "(file)", "expected a JSON object")
+    generation_eos: tuple[int, ...] = ()
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        value = json.loads(generation_file.read_text()).get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        generation_eos = tuple(v for v in values if isinstance(v, int))
+    tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+    return Checkpoint(
+        name=str(folder),
+        raw_config=raw,
+        config_file=str(config_file),
+        tensors=SafetensorsSource(folder),
+        tokenizer=tokenizer,
+        generation_eos_ids=generation_eos,
+    )
+
+
+def load_model(
+    checkpoint: Checkpoint,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    parallel: ParallelContext | None = None,
+) -> HybridForCausalLM:
+    parallel = parallel or ParallelContext()
+    with torch.device("meta"):
+        shapes = HybridForCausalLM(checkpoint.config, ParallelContext(), dtype)
+    model = HybridForCausalLM(checkpoint.config, parallel, dtype, device)
+    full_shapes = {name: tuple(p.shape) for name, p in shapes.named_parameters()}
+    source = checkpoint.tensors
+    available = set(source.keys())
+    used: set[str] = set()
+    for name, param in model.named_parameters():
+        alternatives = checkpoint.adapter.weight_sources(checkpoint.config, name)
+        chosen = next((alt for alt in alternatives if all(s.key in available for s in alt)), None)
+        if chosen is None:
+            expected = alternatives[0][0].key
+            raise WeightError(
+                source.description,
+                expected,
+                f"missing (needed for {name}; the checkpoint does not contain it)",
+            )
+        full = _assemble(source, chosen, full_shapes[name], dtype)
+        with torch.no_grad():
+            param.copy_(shard_tensor(full, param, parallel))
+        used.update(s.key for s in chosen)
+    ignored = checkpoint.adapter.ignored_keys
+    unused = sorted(k for k in available - used if ignored is None or not ignored.search(k))
+    if unused:
+        logger.warning(
+            "%s: %d checkpoint tensors are not used by the model, e.g. %s",
+            checkpoint.name,
+            len(unused),
+            ", ".join(unused[:3]),
+        )
+    return model
+
+
+def _assemble(
+    source: TensorSource, sources: list[WeightSource], shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """One full parameter from its checkpoint tensors, shape-checked."""
+    if len(sources) == 1 and sources[0].index is None:
+        tensor = source.get(sources[0].key)
+        _check_shape(source, sources[0].key, tuple(tensor.shape), shape)
+        return tensor.to(dtype)
+    full = torch.empty(shape, dtype=dtype)
+    for part in sources:
+        tensor = source.get(part.key)
+        assert part.index is not None
+        _check_shape(source, part.key, tuple(tensor.shape), tuple(full[part.index].shape))
+        full[part.index] = tensor.to(dtype)
+    return full
+
+
+def _check_shape(
+    source: TensorSource, key: str, actual: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    if actual != expected:
+        raise WeightError(
+            source.file_of(key),
+            key,
+            f"shape {list(actual)} does not match the {list(expected)} that config.json implies",
+        )

@@ -1,0 +1,25 @@
+"""`model_type` (from config.json) -> the adapter that understands that checkpoint format."""
+
+from __future__ import annotations
+
+from hybridserve.workers.models.adapter import ArchitectureAdapter
+from hybridserve.workers.models.bamba import BambaAdapter
+from hybridserve.workers.models.config import ConfigError
+from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
+from hybridserve.workers.models.nemotron_h import NemotronHAdapter
+
+ADAPTERS: dict[str, ArchitectureAdapter] = {
+    model_type: adapter
+    for adapter in (NemotronHAdapter(), BambaAdapter(), GraniteMoeHybridAdapter())
+    for model_type in adapter.model_types
+}
+
+
+def get_adapter(model_type: object, file: str) -> ArchitectureAdapter:
+    if not isinstance(model_type, str) or model_type not in ADAPTERS:
+        raise ConfigError(
+            file,
+            "model_type",
+            f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ADAPTERS))})",
+        )
+    return ADAPTERS[model_type]

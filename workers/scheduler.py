@@ -1,0 +1,161 @@
+"""Scheduler: who runs this step and how many tokens each gets. No tensors here.
+
+Every step has a token budget (`max_num_batched_tokens`). Running requests go first, those with
+a single token left (decodes) ahead of unfinished prompt chunks, so decodes never wait behind a
+long prefill; then waiting requests are admitted in arrival order while the budget, the
+sequence limit and the cache allow. A chunk is whatever part of [num_computed, num_tokens) fits.
+
+When the KV pool runs dry for a running request, the most recently admitted request is
+preempted: its blocks and slot are freed and it goes back to the front of the queue to be
+recomputed from scratch (its tokens so far become its new "prompt" work; sampling is seeded
+by position, so it produces the same tokens again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.outputs import FinishReason
+from hybridserve.workers.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the known tokens, so its last logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: HybridCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # 1. Running requests: decodes first, then unfinished chunks, each in admission order.
+        for request in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_remaining_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, out):
+                out.scheduled.append(ScheduledRequest(request, num_new))
+        # 2. Waiting requests, unless this step already had to preempt (memory is short).
+        budget = self.max_num_batched_tokens - out.num_tokens
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_remaining_tokens, budget)
+            if self.cache.allocate(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate for `request`, preempting newer requests until it fits. False if `request`
+        itself had to be preempted."""
+        while self.cache.allocate(request, num_new) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            # Decodes are scheduled out of admission order, so the victim may already be in
+            # this step's batch: take it out again (its blocks were just freed).
+            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "request %s preempted (KV pool full); it will be recomputed", request.request_id
+        )
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance cursors after the model ran; append sampled tokens; return requests that
+        changed visibly (got a token or finished)."""
+        changed = []
+        for item, token in zip(out.scheduled, sampled, strict=True):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if token is None:
+                continue
+            request.token_ids.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+            changed.append(request)
+        return changed
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+            return "stop"
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request from the queues and release everything it holds."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

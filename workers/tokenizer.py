@@ -1,0 +1,118 @@
+"""Tokenizer (HF `tokenizer.json` through `tokenizers`) and chat template (jinja2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as BackendTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation, or no template exists."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    """`tokenizer_config.json` stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos_token = add_bos_token and bos_token is not None
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_pretrained(cls, folder: Path) -> Tokenizer:
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{folder}: no tokenizer.json (an HF-format checkpoint needs "
+                "one; pass token ids instead of text to run without it)"
+            )
+        backend = BackendTokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        config_file = folder / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        template = config.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return cls(
+            backend,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token:
+            bos_id = self.token_id(self.bos_token or "")
+            if bos_id is not None and (not ids or ids[0] != bos_id):
+                ids = [bos_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (tokenizer_config.json has "
+                "no chat_template); send a plain completion instead"
+            )
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(
+                value, ensure_ascii=False, indent=indent
+            )
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
