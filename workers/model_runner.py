@@ -130,8 +130,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, cache: HybridCacheManager) -> RunnerOutput:
-        # Decode rows first (one token continuing from the live slot), then prefill chunks.
-        order = sorted(range(len(out.scheduled)), key=lambda i: not _is_decode(out.scheduled[i]))
+        # Decode rows first (one token continuing from the live slot), sorted by slot so that
+        # their states form one contiguous run of the pool; then prefill chunks.
+        def batch_position(i: int) -> tuple[bool, int]:
+            item = out.scheduled[i]
+            decode = _is_decode(item)
+            return (not decode, cache.live_slot(item.request.request_id) if decode else 0)
+
+        order = sorted(range(len(out.scheduled)), key=batch_position)
         items = [out.scheduled[i] for i in order]
         batch, row_ranges = self._build_batch(items, cache)
         hidden = self.model(batch, self.caches)

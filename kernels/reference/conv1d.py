@@ -62,24 +62,36 @@ def causal_conv1d_ref(
     histories = read_slots(conv_states, initial_state_slots).transpose(1, 2)  # (S, W - 1, C)
     offsets = cu_seqlens.tolist()
     positions = positions_by_seq(state_positions, offsets)
-    weight_t = weight.float().t()  # (W, C)
+    lengths = cu_seqlens.diff()
 
-    out = x.new_empty((T, C), dtype=torch.float32)
-    final_states = histories.new_empty((num_seqs, W - 1, C))
-    num_positions = 0 if state_positions is None else state_positions.shape[0]
-    position_states = histories.new_empty((num_positions, W - 1, C))
-    for s in range(num_seqs):
-        start, end = offsets[s], offsets[s + 1]
-        u = torch.cat([histories[s], x[start:end].float()])  # (W - 1 + L, C)
-        windows = u.unfold(0, W, 1)  # (L, C, W): windows[t, :, k] = u[t + k]
-        out[start:end] = torch.einsum("lcw,wc->lc", windows, weight_t)
-        final_states[s] = u[end - start :]
-        for row, pos in positions[s]:
-            position_states[row] = u[pos : pos + W - 1]
+    # All sequences at once: lay out u = history ++ inputs for every sequence back to back,
+    #     u_all = [ h_0 | x_0 ... | h_1 | x_1 ... | ... ]
+    # so token t of sequence s sits at row t + (s + 1) * (W - 1), the end of its window.
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths)
+    token_rows = torch.arange(T, device=x.device) + (W - 1) * (seq_ids + 1)
+    seq_bases = cu_seqlens[:-1] + (W - 1) * torch.arange(num_seqs, device=x.device)
+    history_rows = (seq_bases[:, None] + torch.arange(W - 1, device=x.device)).flatten()
+    u_all = x.new_empty((T + num_seqs * (W - 1), C), dtype=torch.float32)
+    u_all[token_rows] = x.float()
+    u_all[history_rows] = histories.reshape(-1, C)
+
+    # One depthwise convolution over the whole layout; windows that straddle two sequences
+    # end on history rows, which are never read back.
+    conv_all = F.conv1d(u_all.t()[None], weight.float()[:, None, :], groups=C)[0].t()
+    out = conv_all[token_rows - (W - 1)]  # conv_all[r] is the window ending at row r + W - 1
     if bias is not None:
         out += bias.float()
     if activation == "silu":
         out = F.silu(out)
+    # The state after a sequence's last token is the W - 1 rows ending there.
+    state_rows = (seq_bases + lengths)[:, None] + torch.arange(W - 1, device=x.device)
+    final_states = u_all[state_rows]  # (S, W - 1, C)
+    num_positions = 0 if state_positions is None else state_positions.shape[0]
+    position_states = u_all.new_empty((num_positions, W - 1, C))
+    base_list = seq_bases.tolist()
+    for s in range(num_seqs):
+        for row, pos in positions[s]:
+            position_states[row] = u_all[base_list[s] + pos : base_list[s] + pos + W - 1]
 
     write_slots(conv_states, final_state_slots, final_states.transpose(1, 2))
     return Conv1dOutput(

@@ -12,6 +12,7 @@ one state per chunk is carried from chunk to chunk. Everything is computed in fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,102 +77,121 @@ def mamba_chunk_scan_ref(
     offsets = cu_seqlens.tolist()
     positions = positions_by_seq(state_positions, offsets)
 
-    out = torch.empty_like(xf)
-    final_states = torch.empty_like(initial_states)
-    num_positions = 0 if state_positions is None else state_positions.shape[0]
-    position_states = xf.new_empty((num_positions, H, P, N))
-    for s in range(num_seqs):
-        start, end = offsets[s], offsets[s + 1]
-        rows = [k for k, _ in positions[s]]
-        # The final state is the state after all end - start tokens; ask for it with the rest.
-        pos = torch.tensor([end - start] + [p for _, p in positions[s]], device=x.device)
-        y, states = _ssd_sequence(
-            xf[start:end],
-            dt[start:end],
-            A,
-            B[start:end],
-            C[start:end],
-            initial_states[s],
-            chunk_size,
-            pos,
-        )
-        out[start:end] = y
-        final_states[s] = states[0]
-        position_states[rows] = states[1:]
+    # Every sequence is cut into chunks of `chunk_size` from its own first token and all chunks
+    # of all sequences are processed together, zero-padded at the end of each sequence's last
+    # chunk. A padded token has dt = 0: no decay and no input, so it changes nothing.
+    #     packed tokens:  | s0 s0 s0 s0 s0 | s1 s1 |
+    #     chunks (Q=4):   | s0 s0 s0 s0 | s0 __ __ __ | s1 s1 __ __ |
+    device = x.device
+    # NOTE: any block length gives the same result up to rounding; the quadratic in-chunk work
+    # grows with it, and on a CPU blocks of at most 64 tokens are fastest.
+    chunk_size = min(chunk_size, 64)
+    lengths = cu_seqlens.diff().long()
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)
+    pos_in_seq = torch.arange(T, device=device) - cu_seqlens[seq_ids].long()
+    chunk_ids = first_chunk[seq_ids] + pos_in_seq // chunk_size
+    lane_ids = pos_in_seq % chunk_size
+    num_chunks = int(chunks_per_seq.sum())
+
+    def to_chunks(t: torch.Tensor) -> torch.Tensor:
+        """(T, H, ...) packed -> (K, H, Q, ...) chunked, head-major so the per-chunk products
+        below are plain batched matmuls."""
+        chunked = t.new_zeros((num_chunks, t.shape[1], chunk_size, *t.shape[2:]))
+        chunked[chunk_ids, :, lane_ids] = t
+        return chunked
+
+    y, final_states, state_after = _ssd_chunks(
+        to_chunks(xf),
+        to_chunks(dt[..., None])[..., 0],
+        A,
+        to_chunks(B),
+        to_chunks(C),
+        initial_states,
+        chunks_per_seq.tolist(),
+        first_chunk.tolist(),
+    )
+    out = y[chunk_ids, :, lane_ids]
     if D is not None:
         out += D.float()[:, None] * xf
 
+    position_states = None
+    if state_positions is not None:
+        rows = [row for seq in positions for row, _ in seq]
+        seq_of_row = [s for s, seq in enumerate(positions) for _ in seq]
+        pos = torch.tensor([p for seq in positions for _, p in seq], device=device) - 1
+        k_idx = first_chunk[seq_of_row] + pos // chunk_size
+        position_states = xf.new_empty((state_positions.shape[0], H, P, N))
+        position_states[rows] = state_after(k_idx, pos % chunk_size)
+        position_states = position_states.to(ssm_states.dtype)
+
     write_slots(ssm_states, final_state_slots, final_states)
-    return ChunkScanOutput(
-        out=out.to(x.dtype),
-        position_states=None if state_positions is None else position_states.to(ssm_states.dtype),
-    )
+    return ChunkScanOutput(out=out.to(x.dtype), position_states=position_states)
 
 
-def _ssd_sequence(
+def _ssd_chunks(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    initial_state: torch.Tensor,
-    chunk_size: int,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan of one sequence, all float32, without the D skip term.
+    initial_states: torch.Tensor,
+    chunks_per_seq: list[int],
+    first_chunk: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The chunked scan over K chunks of all sequences at once, float32, without the D term.
 
-    x: (L, H, P); dt: (L, H) after softplus and clamp; A: (H,); B, C: (L, H, N) already
-    expanded to heads; initial_state: (H, P, N); positions: (K,) with 1 <= pos <= L.
-    Returns y: (L, H, P) and the states after each requested position: (K, H, P, N).
+    x: (K, H, Q, P); dt: (K, H, Q) after softplus and clamp; A: (H,); B, C: (K, H, Q, N)
+    expanded to heads; initial_states: (S, H, P, N); sequence s owns chunks
+    [first_chunk[s], first_chunk[s] + chunks_per_seq[s]).
+    Returns y (K, H, Q, P), each sequence's final state (S, H, P, N), and `state_after(k, l)`:
+    the states after lanes l (R,) of chunks k (R,), (R, H, P, N).
     """
-    L = x.shape[0]
-    num_chunks = -(-L // chunk_size)
-    # The zero padding sits after the last real token, so causality keeps it out of every real
-    # output and every requested state.
-    x, dt, B, C = (_pad_to_chunks(t, num_chunks, chunk_size) for t in (x, dt, B, C))
-    # x: (c, l, H, P), dt: (c, l, H), B, C: (c, l, H, N); c = chunk, l (and s) = position in chunk
-
-    # 1. Decay. dA_cumsum[c, l] = sum_{k <= l} dt_k * A is the log decay from the chunk start
-    #    to token l; decay[c, h, l, s] = exp(sum_{s < k <= l} dt_k * A) from token s to token l,
+    # k = chunk, l (and s) = lane in chunk.
+    # 1. Decay. dA_cumsum[k, l] = sum_{j <= l} dt_j * A is the log decay from the chunk start
+    #    to lane l; decay[k, h, l, s] = exp(sum_{s < j <= l} dt_j * A) from lane s to lane l,
     #    zero for s > l (causality).
-    dA = dt * A
-    dA_cumsum = dA.cumsum(dim=1)
-    decay = torch.exp(_segsum(dA.transpose(1, 2)))  # (c, H, l, s)
+    dA = dt * A[:, None]
+    dA_cumsum = dA.cumsum(dim=-1)  # (k, H, l)
+    decay = torch.exp(_segsum(dA))  # (k, H, l, s)
 
     # 2. Intra-chunk output (diagonal blocks): y_l = sum_{s <= l} (C_l . B_s) decay[l, s] dt_s x_s.
-    scores = torch.einsum("clhn,cshn->chls", C, B) * decay * dt.transpose(1, 2)[:, :, None, :]
-    y_diag = torch.einsum("chls,cshp->clhp", scores, x)
+    scores = C @ B.transpose(-1, -2)  # (k, H, l, s)
+    scores.mul_(decay).mul_(dt[:, :, None, :])
+    y = scores @ x  # (k, H, l, P)
 
     # 3. Each chunk's own contribution to the state at its end, as if it started from zero:
-    #    states[c] = sum_s decay[last, s] dt_s outer(x_s, B_s).
-    decay_to_end = decay[:, :, -1, :].transpose(1, 2)  # (c, s, H)
-    states = torch.einsum("cshp,cshn->chpn", x * (decay_to_end * dt)[..., None], B)
+    #    states[k] = sum_s decay[last, s] dt_s outer(x_s, B_s).
+    weights_to_end = decay[:, :, -1, :] * dt  # (k, H, s)
+    states = (x * weights_to_end[..., None]).transpose(-1, -2) @ B  # (k, H, P, N)
 
-    # 4. Inter-chunk recurrence: start[c + 1] = exp(dA_cumsum[c, last]) * start[c] + states[c].
-    chunk_decay = torch.exp(dA_cumsum[:, -1, :])  # (c, H)
-    starts = [initial_state]
-    for c in range(num_chunks):
-        starts.append(chunk_decay[c][:, None, None] * starts[-1] + states[c])
-    chunk_starts = torch.stack(starts[:-1])  # (c, H, P, N)
+    # 4. Inter-chunk recurrence inside each sequence, all sequences in step:
+    #    start[first] = initial state;
+    #    start[k + 1] = exp(dA_cumsum[k, last]) * start[k] + states[k].
+    chunk_decay = torch.exp(dA_cumsum[:, :, -1])[:, :, None, None]  # (k, H, 1, 1)
+    chunk_starts = torch.empty_like(states)
+    current = initial_states.clone()
+    first = torch.tensor(first_chunk, device=x.device)
+    counts = torch.tensor(chunks_per_seq, device=x.device)
+    for ordinal in range(max(chunks_per_seq, default=0)):
+        active = counts > ordinal
+        ks = first[active] + ordinal
+        chunk_starts[ks] = current[active]
+        current[active] = chunk_decay[ks] * current[active] + states[ks]
 
-    # 5. Inter-chunk output (off-diagonal blocks): y_l += exp(dA_cumsum[l]) * (start[c] @ C_l).
-    y_off = torch.einsum("clhn,chpn->clhp", C, chunk_starts) * torch.exp(dA_cumsum)[..., None]
-    y = (y_diag + y_off).reshape(num_chunks * chunk_size, *y_diag.shape[2:])[:L]
+    # 5. Inter-chunk output (off-diagonal blocks): y_l += exp(dA_cumsum[l]) * (C_l @ start[k]).
+    y += (C @ chunk_starts.transpose(-1, -2)) * torch.exp(dA_cumsum)[..., None]
 
-    # 6. State after `pos` tokens, whose last token sits at (c, l): steps 3 and 4 with chunk c cut
-    #    after token l, exp(dA_cumsum[c, l]) * start[c] + sum_{s <= l} decay[l, s] dt_s x_s B_s^T.
-    c_idx, l_idx = (positions - 1) // chunk_size, (positions - 1) % chunk_size
-    weights = decay[c_idx, :, l_idx, :].transpose(1, 2) * dt[c_idx]  # (K, s, H), zero for s > l
-    partial = torch.einsum("kshp,kshn->khpn", x[c_idx] * weights[..., None], B[c_idx])
-    carried = torch.exp(dA_cumsum[c_idx, l_idx])[:, :, None, None] * chunk_starts[c_idx]
-    return y, carried + partial
+    def state_after(k_idx: torch.Tensor, l_idx: torch.Tensor) -> torch.Tensor:
+        """6. The state after lane l of chunk k: steps 3 and 4 with the chunk cut after lane l,
+        exp(dA_cumsum[k, l]) * start[k] + sum_{s <= l} decay[l, s] dt_s x_s B_s^T."""
+        weights = decay[k_idx, :, l_idx, :] * dt[k_idx]  # (R, H, s), zero for s > l
+        partial = (x[k_idx] * weights[..., None]).transpose(-1, -2) @ B[k_idx]
+        carried = torch.exp(dA_cumsum[k_idx, :, l_idx])[:, :, None, None] * chunk_starts[k_idx]
+        return carried + partial
 
-
-def _pad_to_chunks(t: torch.Tensor, num_chunks: int, chunk_size: int) -> torch.Tensor:
-    """Zero-pad dim 0 of t: (L, ...) to num_chunks * chunk_size and split it: (c, l, ...)."""
-    pad = num_chunks * chunk_size - t.shape[0]
-    t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-    return t.reshape(num_chunks, chunk_size, *t.shape[1:])
+    return y, current, state_after
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:

@@ -39,17 +39,28 @@ def selective_state_update_ref(
     assert dt.shape == (Bt, H) and A.shape == (H,) and state_slots.shape == (Bt,)
 
     valid = state_slots >= 0
-    slots = state_slots[valid].long()
+    num_valid = int(valid.sum())
     dt = prepare_dt(dt[valid], dt_bias, dt_softplus, dt_limit)  # (b, H)
     xf = x[valid].float()  # (b, H, P)
     B, C = expand_groups(B[valid], H), expand_groups(C[valid], H)  # (b, H, N)
+    slots = state_slots[valid].long()
 
-    decay = torch.exp(dt * A.float())[:, :, None, None]
-    states = decay * ssm_states[slots].float() + (dt[..., None] * xf)[..., None] * B[:, :, None]
-    y = torch.einsum("bhpn,bhn->bhp", states, C)
+    # Decode is bound by moving states (H * P * N floats per row), so update in place and,
+    # when the rows' slots are one ascending run (the usual case: the runner sorts decode rows
+    # by slot and slots are handed out lowest first), work on a view instead of gather/scatter.
+    first = int(slots[0]) if num_valid else 0
+    contiguous = bool(
+        torch.equal(slots, torch.arange(first, first + num_valid, device=slots.device))
+    )
+    in_pool = contiguous and ssm_states.dtype == torch.float32
+    states = ssm_states[first : first + num_valid] if in_pool else ssm_states[slots].float()
+    states.mul_(torch.exp(dt * A.float())[:, :, None, None])
+    states.addcmul_((dt[..., None] * xf)[..., None], B[:, :, None, :])  # += dt x B^T
+    y = (states @ C[..., None]).squeeze(-1)  # (b, H, P)
     if D is not None:
         y = y + D.float()[:, None] * xf
-    ssm_states[slots] = states.to(ssm_states.dtype)
+    if not in_pool:
+        ssm_states[slots] = states.to(ssm_states.dtype)
 
     out = x.new_zeros((Bt, H, P))
     out[valid] = y.to(x.dtype)

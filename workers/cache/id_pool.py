@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable
+from typing import Literal
 
 
 class IdPool:
-    def __init__(self, name: str, size: int) -> None:
+    """Ids 0..size-1. Order "fifo": the id freed longest ago is reused first. Order "lowest":
+    the smallest free id first, which keeps live ids packed at the low end (Mamba slots: decode
+    rows then cover one contiguous run of the state pool)."""
+
+    def __init__(self, name: str, size: int, order: Literal["fifo", "lowest"] = "fifo") -> None:
         self.name = name
         self.size = size
-        # FIFO: the id freed longest ago is reused first, which keeps reuse spread out.
-        self._free: deque[int] = deque(range(size))
+        self.order = order
+        self._free: deque[int] | list[int] = (
+            deque(range(size)) if order == "fifo" else list(range(size))
+        )  # a sorted list is a valid heap
         self._is_free = [True] * size
 
     @property
@@ -21,7 +29,10 @@ class IdPool:
     def allocate(self, count: int) -> list[int]:
         """`count` ids; the caller checks `num_free` first."""
         assert count <= len(self._free), f"{self.name}: {count} wanted, {len(self._free)} free"
-        ids = [self._free.popleft() for _ in range(count)]
+        if isinstance(self._free, deque):
+            ids = [self._free.popleft() for _ in range(count)]
+        else:
+            ids = [heapq.heappop(self._free) for _ in range(count)]
         for i in ids:
             self._is_free[i] = False
         return ids
@@ -30,7 +41,10 @@ class IdPool:
         for i in ids:
             assert not self._is_free[i], f"{self.name}: id {i} freed twice"
             self._is_free[i] = True
-            self._free.append(i)
+            if isinstance(self._free, deque):
+                self._free.append(i)
+            else:
+                heapq.heappush(self._free, i)
 
     def check_integrity(self, held: list[int]) -> None:
         """Every id is either free or held by exactly one owner; raise with the counts if not."""

@@ -7,7 +7,7 @@ from hybridserve.workers.cache.id_pool import IdPool
 
 class MambaStateManager:
     def __init__(self, num_slots: int) -> None:
-        self.pool = IdPool("Mamba slot pool", num_slots)
+        self.pool = IdPool("Mamba slot pool", num_slots, order="lowest")
         self._live: dict[str, int] = {}
 
     def has_slot(self, request_id: str) -> bool:
