@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.request import Request
+from hybridserve.workers.sampling_params import SamplingParams
+
 VOCAB = 128
 
 
@@ -167,3 +171,26 @@ def assert_pools_at_baseline(engine: Any) -> None:
     engine.check_integrity()
     assert engine.cache.num_free_blocks == engine.runner.num_kv_blocks
     assert engine.cache.num_free_slots == engine.runner.num_mamba_slots
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int = 4,
+    *,
+    prompt: list[int] | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    **params: Any,
+) -> Request:
+    """A hand-made request as the engine would queue it; `params` go to `SamplingParams`."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(1, prompt_len + 1)) if prompt is None else list(prompt),
+        sampling_params=SamplingParams(**params),
+        stop_token_ids=frozenset(stop_token_ids),
+        sample_seed=seed,
+    )
+
+
+def make_cache(num_blocks: int, block_size: int = 4, num_slots: int = 8) -> HybridCacheManager:
+    return HybridCacheManager(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots)

@@ -88,7 +88,9 @@ class Engine:
         """Queue a request; returns its id. Everything is validated before anything is
         allocated, so a bad request raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id is None:
+            # NOTE: a caller may already use an id of our "req-N" form for a live request.
+            request_id = next(i for i in (f"req-{n}" for n in self._ids) if i not in self._requests)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)

@@ -105,7 +105,10 @@ class Tokenizer:
                 value, ensure_ascii=False, indent=indent
             )
             env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(self.chat_template)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ChatTemplateError(f"chat template failed: {exc}") from exc
         try:
             return self._template.render(
                 messages=messages,

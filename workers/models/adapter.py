@@ -119,6 +119,8 @@ def rope_spec(reader: ConfigReader, head_dim: int, default_partial: float) -> Ro
     if not isinstance(params, dict):
         raise reader.error("rope_parameters", f"expected an object, got {params!r}")
     scaling = reader.raw.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise reader.error("rope_scaling", f"expected an object, got {scaling!r}")
     rope_type = params.get("rope_type", params.get("type", scaling.get("rope_type", "default")))
     if rope_type != "default":
         raise reader.error(

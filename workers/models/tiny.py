@@ -51,7 +51,8 @@ TINY_CONFIG: dict[str, Any] = {
     "use_bias": False,
     "mlp_bias": False,
     "layer_norm_epsilon": 1e-5,
-    "time_step_min": 0.001,
+    # transformers clamps dt at time_step_min in its prompt path only; keep that clamp idle.
+    "time_step_min": 1e-6,
     "max_position_embeddings": 8192,
     "tie_word_embeddings": False,
     "bos_token_id": None,
@@ -106,10 +107,13 @@ def tiny_weights() -> dict[str, torch.Tensor]:
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
 
+    # Output rows of printable ASCII are ten times larger, so even random weights "write" text.
+    printable = torch.full((vocab, 1), 0.1)
+    printable[ord(" ") : ord("~") + 1] = 1.0
     weights = {
         "backbone.embeddings.weight": torch.randn(vocab, hidden, generator=gen),
         "backbone.norm_f.weight": torch.ones(hidden),
-        "lm_head.weight": linear(vocab, hidden) * 4.0,
+        "lm_head.weight": linear(vocab, hidden) * 4.0 * printable,
     }
     for index, symbol in enumerate(c["hybrid_override_pattern"]):
         layer = f"backbone.layers.{index}"

@@ -1,0 +1,243 @@
+"""Engine throughput against HF transformers `generate`, side by side in one run.
+
+    python bench/engine_vs_hf.py [--quick] [--output bench/results/engine_vs_hf.json]
+
+A mid-size random NemotronH-style checkpoint (hidden 512, 12 layers, fp32; big enough that
+model compute dominates) is built with transformers, then for 1, 8 and 32 concurrent requests
+the same workload runs through our engine (continuous batching, at most N running) and through
+`generate` (static batches of N, left-padded to the longest prompt, decoding until the longest
+output is done). Each request has its own prompt length and output length (EOS ignored), so
+output tokens/s counts only tokens some request asked for. Also: prefill tokens/s for one
+2k-token prompt. Ratios are ours / HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridserve.workers import LLM, SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    concurrency: int
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def build_checkpoint(folder: Path, quick: bool) -> None:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    size = (
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            ssm_state_size=32,
+        )
+        if quick
+        else dict(
+            hidden_size=512,
+            intermediate_size=1536,
+            mamba_num_heads=16,
+            mamba_head_dim=64,
+            ssm_state_size=64,
+        )
+    )
+    config = NemotronHConfig(
+        vocab_size=4096,
+        hybrid_override_pattern="M-M*-M-M*-M-",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        n_groups=2,
+        chunk_size=128,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        time_step_min=1e-6,
+        **size,
+    )
+    NemotronHForCausalLM(config).save_pretrained(folder)
+
+
+def make_workload(
+    concurrency: int,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
+) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(
+        prompt_range[0], prompt_range[1] + 1, (num_requests,), generator=gen
+    )
+    output_lens = torch.randint(
+        output_range[0], output_range[1] + 1, (num_requests,), generator=gen
+    )
+    prompts = [torch.randint(1, 4096, (int(n),), generator=gen).tolist() for n in prompt_lens]
+    return Workload(concurrency, prompts, output_lens.tolist())
+
+
+def run_ours(folder: Path, workload: Workload) -> float:
+    llm = LLM(str(folder), max_num_seqs=workload.concurrency, max_num_batched_tokens=2048)
+    warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
+    llm.generate(workload.prompts[:1], warmup, use_tqdm=False)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outputs) == workload.num_output_tokens
+    return elapsed
+
+
+@torch.no_grad()
+def run_hf(model: torch.nn.Module, workload: Workload) -> float:
+    n = workload.concurrency
+    prompt = torch.tensor([workload.prompts[0]])
+    model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),  # warm-up, as for ours
+        max_new_tokens=workload.output_lens[0],
+        do_sample=False,
+        pad_token_id=0,
+    )
+    start = time.perf_counter()
+    for first in range(0, len(workload.prompts), n):
+        prompts = workload.prompts[first : first + n]
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        new_tokens = max(workload.output_lens[first : first + n])
+        model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def prefill_rates(
+    folder: Path, model: torch.nn.Module, prompt_len: int, repeats: int
+) -> tuple[float, float]:
+    prompt = torch.randint(1, 4096, (prompt_len,), generator=torch.Generator().manual_seed(7))
+    llm = LLM(str(folder), max_num_batched_tokens=prompt_len)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ours, theirs = [], []
+    for _ in range(repeats + 1):  # the first round warms up both
+        start = time.perf_counter()
+        llm.generate([prompt.tolist()], one, use_tqdm=False)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        model.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
+            max_new_tokens=1,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        theirs.append(time.perf_counter() - start)
+    return prompt_len / statistics.median(ours[1:]), prompt_len / statistics.median(theirs[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model and workload (smoke)")
+    parser.add_argument("--output", default="bench/results/engine_vs_hf.json")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    prompt_range, output_range = ((8, 32), (4, 16)) if args.quick else ((64, 512), (32, 256))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_checkpoint(folder, args.quick)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        rows = []
+        for concurrency in (1, 8, 32):
+            num_requests = 4 if concurrency == 1 else 2 * concurrency
+            if args.quick:
+                num_requests = concurrency
+            workload = make_workload(
+                concurrency, num_requests, prompt_range, output_range, seed=concurrency
+            )
+            ours = run_ours(folder, workload)
+            theirs = run_hf(model, workload)
+            tokens = workload.num_output_tokens
+            rows.append(
+                {
+                    "concurrency": concurrency,
+                    "num_requests": num_requests,
+                    "output_tokens": tokens,
+                    "ours_output_tokens_per_s": tokens / ours,
+                    "hf_output_tokens_per_s": tokens / theirs,
+                    "ratio": theirs / ours,
+                }
+            )
+        prompt_len = 256 if args.quick else 2048
+        ours_prefill, hf_prefill = prefill_rates(folder, model, prompt_len, 1 if args.quick else 3)
+
+    print(f"{'concurrency':>11} {'requests':>8} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6}")
+    for row in rows:
+        print(
+            f"{row['concurrency']:>11} {row['num_requests']:>8} "
+            f"{row['ours_output_tokens_per_s']:>11.1f} {row['hf_output_tokens_per_s']:>9.1f} "
+            f"{row['ratio']:>5.2f}x"
+        )
+    print(
+        f"prefill {prompt_len} tokens: ours {ours_prefill:.0f} tok/s, HF {hf_prefill:.0f} tok/s, "
+        f"ratio {ours_prefill / hf_prefill:.2f}x"
+    )
+    result = {
+        "benchmark": "engine_vs_hf",
+        "quick": args.quick,
+        "model": "random NemotronH-style, hidden 512, 12 layers (M-M*-M-M*-M-), fp32",
+        "workload": {
+            "prompt_len_range": prompt_range,
+            "output_len_range": output_range,
+            "ignore_eos": True,
+            "hf_batching": "static batches of `concurrency`, "
+            "left padding, decode to the batch's longest output",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "throughput": rows,
+        "prefill": {
+            "prompt_len": prompt_len,
+            "ours_tokens_per_s": ours_prefill,
+            "hf_tokens_per_s": hf_prefill,
+            "ratio": ours_prefill / hf_prefill,
+        },
+    }
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()

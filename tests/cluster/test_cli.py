@@ -1,0 +1,95 @@
+"""The `hybridserve` command line, driven through `main(argv)`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridserve.cluster.cli import main
+
+
+def test_generate_prints_text(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "16"]) == 0
+    text = capsys.readouterr().out
+    assert text.strip()
+
+
+def test_generate_json_and_config_file(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("max-tokens: 5\ntemperature: 0\nmax_num_seqs: 4\n")
+    argv = ["generate", "--prompt", "a", "--prompt", "bc", "--json", "--config", str(config)]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [len(line["token_ids"]) for line in lines] == [5, 5]
+    assert [line["prompt_token_ids"] for line in lines] == [[97], [98, 99]]
+    assert {line["finish_reason"] for line in lines} == {"length"}
+    # Command-line flags win over the file.
+    assert main([*argv, "--max-tokens", "2"]) == 0
+    assert [len(json.loads(x)["token_ids"]) for x in capsys.readouterr().out.splitlines()] == [2, 2]
+
+
+def test_unknown_config_key_is_rejected(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("max-tokenz: 5\n")
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "a", "--config", str(config)])
+    assert "unknown option 'max-tokenz'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-tokens", "0", "max_tokens: Input should be greater than or equal to 1"),
+        ("--temperature", "-1", "temperature: Input should be greater than or equal to 0"),
+        ("--model", "/does/not/exist", "no config.json there"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_named_error(flag, value, message, capsys):
+    assert main(["generate", "--prompt", "a", flag, value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("hybridserve ")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--max-num-batched-tokens" in help_text and "(default: 2048)" in help_text
+
+
+def test_export_tiny_writes_a_loadable_checkpoint(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    assert main(["export-tiny", str(folder)]) == 0
+    assert {p.name for p in folder.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "3",
+                "--temperature",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    from_folder = json.loads(capsys.readouterr().out.splitlines()[-1])["token_ids"]
+    assert (
+        main(["generate", "--prompt", "hi", "--max-tokens", "3", "--temperature", "0", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["token_ids"] == from_folder

@@ -1,0 +1,260 @@
+"""Checkpoint loading: the written tiny checkpoint, named weight/config errors, expert layouts,
+and tensor-parallel slicing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.layers.linear import ParallelContext
+from hybridserve.workers.models.config import ConfigError, WeightError
+from hybridserve.workers.models.hybrid import HybridForCausalLM
+from hybridserve.workers.models.loader import load_model, open_checkpoint
+from hybridserve.workers.models.tiny import tiny_checkpoint, write_tiny_checkpoint
+from tests.helpers import ARCHITECTURES, hf_greedy, make_hf_model
+
+SMALL = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 64}
+PROMPTS = [list(b"hello world"), list(b"The quick brown fox"), [257, *b"user\nhi", 258]]
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def load(folder: Path, parallel: ParallelContext | None = None) -> HybridForCausalLM:
+    return load_model(
+        open_checkpoint(str(folder)), dtype=torch.float32, device="cpu", parallel=parallel
+    )
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def tiny_copy(tiny_folder, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint that a test may break."""
+    return Path(shutil.copytree(tiny_folder, tmp_path / "tiny"))
+
+
+def rewrite_weights(folder: Path, change) -> None:
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    change(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+# ---- the tiny checkpoint ------------------------------------------------------------------
+
+
+def test_written_tiny_checkpoint_has_the_built_in_weights(tiny_folder):
+    ours = parameters(load(tiny_folder))
+    built_in = parameters(load_model(tiny_checkpoint(), dtype=torch.float32, device="cpu"))
+    assert ours.keys() == built_in.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, built_in[name]), name
+
+
+def test_written_tiny_checkpoint_generates_like_the_built_in_and_like_transformers(tiny_folder):
+    from transformers import AutoModelForCausalLM
+
+    from_folder = LLM(str(tiny_folder), **SMALL).generate(PROMPTS, GREEDY)
+    built_in = LLM("tiny", **SMALL).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in from_folder] == [o.token_ids for o in built_in]
+    assert [o.text for o in from_folder] == [o.text for o in built_in]
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    assert type(hf).__name__ == "NemotronHForCausalLM"
+    for prompt, output in zip(PROMPTS, from_folder, strict=True):
+        assert output.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_a_missing_tensor_names_the_file_and_the_key(tiny_copy):
+    key = "backbone.layers.3.mixer.A_log"
+    rewrite_weights(tiny_copy, lambda tensors: tensors.pop(key))
+    with pytest.raises(WeightError) as info:
+        LLM(str(tiny_copy), **SMALL)
+    assert (info.value.file, info.value.field) == ("model.safetensors", key)
+    assert str(info.value).startswith(f"model.safetensors: weight '{key}': missing")
+    assert "layers.3.op.A_log" in str(info.value)  # the parameter it was needed for
+
+
+@pytest.mark.parametrize(
+    ("key", "bad_shape", "good_shape"),
+    [
+        ("backbone.layers.0.mixer.D", (9,), (8,)),
+        ("backbone.layers.1.mixer.k_proj.weight", (32, 128), (64, 128)),
+        ("lm_head.weight", (259, 64), (259, 128)),
+    ],
+)
+def test_a_wrong_shape_names_the_file_the_key_and_both_shapes(
+    tiny_copy, key, bad_shape, good_shape
+):
+    def change(tensors):
+        tensors[key] = torch.zeros(bad_shape)
+
+    rewrite_weights(tiny_copy, change)
+    with pytest.raises(WeightError) as info:
+        LLM(str(tiny_copy), **SMALL)
+    assert str(info.value) == (
+        f"model.safetensors: weight '{key}': shape {list(bad_shape)} does not match the "
+        f"{list(good_shape)} that config.json implies"
+    )
+
+
+def test_errors_in_a_sharded_checkpoint_name_the_shard(tiny_copy):
+    tensors = load_file(str(tiny_copy / "model.safetensors"))
+    (tiny_copy / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    bad = "backbone.layers.6.mixer.dt_bias"
+    assert bad in keys[len(keys) // 2 :]
+    tensors[bad] = torch.zeros(3)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({k: tensors[k] for k in keys[: len(keys) // 2]}, str(tiny_copy / first))
+    save_file({k: tensors[k] for k in keys[len(keys) // 2 :]}, str(tiny_copy / second))
+    with pytest.raises(WeightError, match=rf"^{second}: weight '{bad}': shape \[3\]"):
+        LLM(str(tiny_copy), **SMALL)
+
+
+def test_a_checkpoint_without_weight_files_is_named(tiny_copy):
+    (tiny_copy / "model.safetensors").unlink()
+    with pytest.raises(WeightError, match="no weight files in the checkpoint"):
+        LLM(str(tiny_copy), **SMALL)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("{not json", "not valid JSON"), ("[1, 2]", "expected a JSON object")]
+)
+def test_a_broken_config_json_is_a_config_error(tiny_copy, text, message):
+    (tiny_copy / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        LLM(str(tiny_copy), **SMALL)
+    assert str(tiny_copy / "config.json") in str(info.value)
+    assert message in str(info.value)
+
+
+def test_a_config_error_names_the_checkpoint_file(tiny_copy):
+    config = json.loads((tiny_copy / "config.json").read_text())
+    config["hidden_size"] = "wide"
+    (tiny_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json: field 'hidden_size': expected an int"):
+        LLM(str(tiny_copy), **SMALL)
+
+
+def test_a_missing_folder_says_what_was_expected(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        LLM(str(tmp_path / "nowhere"), **SMALL)
+    assert "nowhere" in str(info.value)
+    assert "'tiny'" in str(info.value)
+
+
+def test_unused_tensors_are_reported_and_known_extras_ignored(tiny_copy, caplog):
+    def change(tensors):
+        tensors["backbone.layers.0.mixer.surprise"] = torch.zeros(2)
+        tensors["mtp.layers.0.norm.weight"] = torch.zeros(2)  # multi-token prediction head
+
+    rewrite_weights(tiny_copy, change)
+    with caplog.at_level(logging.WARNING, logger="hybridserve.workers.models.loader"):
+        load(tiny_copy)
+    (record,) = caplog.records
+    assert "1 checkpoint tensors are not used" in record.getMessage()
+    assert "backbone.layers.0.mixer.surprise" in record.getMessage()
+
+
+# ---- NemotronH expert layouts -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nemotron_folders(tmp_path_factory) -> tuple[Path, Path]:
+    """The same NemotronH model saved per-expert under `backbone.` (what save_pretrained
+    writes) and fused 3-D under `model.` (the in-memory transformers layout)."""
+    model = make_hf_model("nemotron_h")
+    per_expert = tmp_path_factory.mktemp("nemotron-per-expert")
+    model.save_pretrained(per_expert)
+    fused = tmp_path_factory.mktemp("nemotron-fused")
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(fused / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return per_expert, fused
+
+
+def test_per_expert_and_fused_expert_checkpoints_load_identically(nemotron_folders):
+    per_expert, fused = nemotron_folders
+    per_expert_keys = set(load_file(str(per_expert / "model.safetensors")))
+    fused_tensors = load_file(str(fused / "model.safetensors"))
+    # The two files really differ in layout.
+    assert "backbone.layers.1.mixer.experts.0.up_proj.weight" in per_expert_keys
+    assert fused_tensors["model.layers.1.mixer.experts.up_proj"].shape == (4, 32, 64)
+    assert fused_tensors["model.layers.1.mixer.experts.down_proj"].shape == (4, 64, 32)
+    assert not any(k.startswith("backbone.") for k in fused_tensors)
+
+    a, b = parameters(load(per_expert)), parameters(load(fused))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert torch.equal(
+        a["layers.1.op.experts.up"][2],
+        fused_tensors["model.layers.1.mixer.experts.up_proj"][2],
+    )
+
+
+# ---- tensor-parallel slicing --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param).save_pretrained(folder)
+    return request.param, folder
+
+
+def test_tp_ranks_hold_slices_that_reassemble_the_full_parameters(hf_checkpoint):
+    arch, hf_folder = hf_checkpoint
+    full = parameters(load(hf_folder))
+    ranks = [
+        parameters(load(hf_folder, ParallelContext(tp_size=2, tp_rank=r, all_reduce=lambda t: t)))
+        for r in (0, 1)
+    ]
+    shard_dims = set()
+    multi_section = []
+    for name, reference in full.items():
+        parts = [rank[name] for rank in ranks]
+        dim = getattr(reference, "shard_dim", None)
+        if dim is None:  # replicated: every rank holds all of it
+            for part in parts:
+                assert torch.equal(part, reference), name
+            continue
+        shard_dims.add(dim)
+        sections = reference.shard_sections
+        assert all(part.shard_dim == dim and part.shard_sections == sections for part in parts)
+        assert all(part.shape[dim] * 2 == reference.shape[dim] for part in parts), name
+        if len(sections) > 1:
+            multi_section.append(name)
+        pieces, offset = [], 0
+        for section in sections:
+            local = section // 2
+            pieces += [part.narrow(dim, offset, local) for part in parts]  # rank 0, rank 1
+            offset += local
+        assert torch.equal(torch.cat(pieces, dim=dim), reference), name
+        if reference.unique().numel() > 1:  # zero biases and unit norms look alike anyway
+            assert not torch.equal(parts[0], parts[1]), name
+    # Column (0), row (1) and expert-down (2) splits, and sectioned fused weights, all occurred.
+    assert {0, 1} <= shard_dims
+    assert multi_section, "no sectioned parameter (e.g. Mamba in_proj) was checked"
+    assert (2 in shard_dims) == (arch != "bamba")  # routed experts' down projection
