@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def store_kv_ref(
@@ -56,24 +57,22 @@ def paged_attention_prefill_ref(
         seq_lens: (S,) context length including the new tokens
     Returns (T, H, D) in q.dtype; the softmax runs in float32.
     """
-    H = q.shape[1]
-    Hkv = key_cache.shape[2]
     offsets = cu_seqlens_q.tolist()
     out = torch.empty_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         start, end = offsets[s], offsets[s + 1]
         k, v = _gather_context(key_cache, value_cache, block_tables[s], seq_len)  # (L, Hkv, D)
         # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q_len, L)
+        # NOTE: 4-D inputs: the fused CPU attention kernel only takes (batch, heads, len, dim).
         o = F.scaled_dot_product_attention(
-            q[start:end].float().transpose(0, 1),  # (H, q_len, D)
-            k.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1),
-            v.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1),
-            attn_mask=mask,
+            q[start:end].float().transpose(0, 1)[None],  # (1, H, q_len, D)
+            k.float().transpose(0, 1)[None],  # (1, Hkv, L, D)
+            v.float().transpose(0, 1)[None],
+            attn_mask=causal_lower_right(end - start, seq_len),
             scale=scale,
+            enable_gqa=True,
         )
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -108,13 +107,16 @@ def paged_attention_decode_ref(
     blocks = torch.where(cols < row_blocks[:, None], block_tables[:, :num_cols], 0).long()
     k = key_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
     v = value_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
-
-    qg = q.float().reshape(Bt, Hkv, H // Hkv, D)  # query heads grouped by their kv head
-    scores = torch.einsum("bgrd,bkgd->bgrk", qg, k) * scale  # (Bt, Hkv, H // Hkv, num_keys)
-    pad = torch.arange(num_cols * block_size, device=q.device) >= seq_lens[:, None]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row (seq_len 0) gives NaN
-    out = torch.einsum("bgrk,bkgd->bgrd", probs, v)
+    keep = torch.arange(num_cols * block_size, device=q.device) < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],  # (Bt, H, 1, D)
+        k.transpose(1, 2),  # (Bt, Hkv, num_keys, D)
+        v.transpose(1, 2),
+        attn_mask=keep[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )[:, :, 0]
+    out = out.nan_to_num(0.0)  # an empty row (seq_len 0) has nothing to attend to
     return out.reshape(Bt, H, D).to(q.dtype)
 
 

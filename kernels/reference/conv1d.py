@@ -130,13 +130,27 @@ def causal_conv1d_update_ref(
 
     valid = state_slots >= 0
     slots = state_slots[valid].long()
-    u = torch.cat([conv_states[slots].float(), x[valid].float()[:, :, None]], dim=2)  # (b, C, W)
-    y = (u * weight.float()).sum(dim=2)
+    num_valid = slots.shape[0]
+    # As in the SSM state update: an ascending run of slots is updated through a view.
+    first = int(slots[0]) if num_valid else 0
+    run = torch.arange(first, first + num_valid, device=slots.device)
+    in_pool = bool(torch.equal(slots, run)) and conv_states.dtype == torch.float32
+    history = conv_states[first : first + num_valid] if in_pool else conv_states[slots].float()
+    xf = x[valid].float()
+    weight_f = weight.float()
+    y = xf * weight_f[:, W - 1]  # (b, C); the taps are added one by one (a size-3 reduction
+    for k in range(W - 1):  # over the last dim is slow)
+        y.addcmul_(history[:, :, k].float(), weight_f[:, k])
     if bias is not None:
-        y = y + bias.float()
+        y += bias.float()
     if activation == "silu":
         y = F.silu(y)
-    conv_states[slots] = u[:, :, 1:].to(conv_states.dtype)
+    # Shift the window left by one and append the new input.
+    shifted = torch.cat([history[:, :, 1:], xf[:, :, None]], dim=2)
+    if in_pool:
+        history.copy_(shifted)
+    else:
+        conv_states[slots] = shifted.to(conv_states.dtype)
 
     out = x.new_zeros((Bt, C))
     out[valid] = y.to(x.dtype)

@@ -172,13 +172,18 @@ def _ssd_chunks(
     chunk_decay = torch.exp(dA_cumsum[:, :, -1])[:, :, None, None]  # (k, H, 1, 1)
     chunk_starts = torch.empty_like(states)
     current = initial_states.clone()
-    first = torch.tensor(first_chunk, device=x.device)
-    counts = torch.tensor(chunks_per_seq, device=x.device)
     for ordinal in range(max(chunks_per_seq, default=0)):
-        active = counts > ordinal
-        ks = first[active] + ordinal
-        chunk_starts[ks] = current[active]
-        current[active] = chunk_decay[ks] * current[active] + states[ks]
+        seqs = [s for s, count in enumerate(chunks_per_seq) if count > ordinal]
+        chunks = [first_chunk[s] + ordinal for s in seqs]
+        if len(seqs) == 1:  # one sequence left (or a single long prompt): plain views
+            (s,), (k,) = seqs, chunks
+            chunk_starts[k] = current[s]
+            current[s] = chunk_decay[k] * current[s] + states[k]
+            continue
+        seq_idx = torch.tensor(seqs, device=x.device)
+        chunk_idx = torch.tensor(chunks, device=x.device)
+        chunk_starts[chunk_idx] = current[seq_idx]
+        current[seq_idx] = chunk_decay[chunk_idx] * current[seq_idx] + states[chunk_idx]
 
     # 5. Inter-chunk output (off-diagonal blocks): y_l += exp(dA_cumsum[l]) * (C_l @ start[k]).
     y += (C @ chunk_starts.transpose(-1, -2)) * torch.exp(dA_cumsum)[..., None]

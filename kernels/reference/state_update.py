@@ -56,7 +56,8 @@ def selective_state_update_ref(
     states = ssm_states[first : first + num_valid] if in_pool else ssm_states[slots].float()
     states.mul_(torch.exp(dt * A.float())[:, :, None, None])
     states.addcmul_((dt[..., None] * xf)[..., None], B[:, :, None, :])  # += dt x B^T
-    y = (states @ C[..., None]).squeeze(-1)  # (b, H, P)
+    # NOTE: multiply-and-sum, not `states @ C`: MKL's batched mat-vec is 3x slower here.
+    y = (states * C[:, :, None, :]).sum(dim=-1)  # (b, H, P)
     if D is not None:
         y = y + D.float()[:, None] * xf
     if not in_pool:
