@@ -52,7 +52,7 @@ def causal_conv1d_ref(
     (K, C, W - 1) in conv_states.dtype: the conv state after the first `pos` tokens of sequence
     `seq_index`. All initial states are read before any final state is written.
     """
-    T, C = x.shape
+    C = x.shape[1]
     W = weight.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
     assert weight.shape == (C, W) and conv_states.shape[1:] == (C, W - 1)
@@ -62,36 +62,52 @@ def causal_conv1d_ref(
     histories = read_slots(conv_states, initial_state_slots).transpose(1, 2)  # (S, W - 1, C)
     offsets = cu_seqlens.tolist()
     positions = positions_by_seq(state_positions, offsets)
-    lengths = cu_seqlens.diff()
+    xf = x.float()
+    weight_f = weight.float()
 
-    # All sequences at once: lay out u = history ++ inputs for every sequence back to back,
-    #     u_all = [ h_0 | x_0 ... | h_1 | x_1 ... | ... ]
-    # so token t of sequence s sits at row t + (s + 1) * (W - 1), the end of its window.
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lengths)
-    token_rows = torch.arange(T, device=x.device) + (W - 1) * (seq_ids + 1)
-    seq_bases = cu_seqlens[:-1] + (W - 1) * torch.arange(num_seqs, device=x.device)
-    history_rows = (seq_bases[:, None] + torch.arange(W - 1, device=x.device)).flatten()
-    u_all = x.new_empty((T + num_seqs * (W - 1), C), dtype=torch.float32)
-    u_all[token_rows] = x.float()
-    u_all[history_rows] = histories.reshape(-1, C)
-
-    # One depthwise convolution over the whole layout; windows that straddle two sequences
-    # end on history rows, which are never read back.
-    conv_all = F.conv1d(u_all.t()[None], weight.float()[:, None, :], groups=C)[0].t()
-    out = conv_all[token_rows - (W - 1)]  # conv_all[r] is the window ending at row r + W - 1
+    # Tap j (1 <= j < W) reads the input j tokens back. On the packed tokens that is x shifted
+    # down by j rows, which is right everywhere except the first j tokens of each sequence:
+    #     packed:   | a0 a1 a2 a3 | b0 b1 b2 |
+    #     shift 2:  | .. .. a0 a1 | a2 a3 b0 |   b0, b1 must read b's history, not a2, a3
+    # so add every tap over all rows at once, then correct those few rows.
+    out = xf * weight_f[:, W - 1]
+    rows, history_idx, wrong_rows, taps = [], [], [], []
+    for j in range(1, W):
+        out[j:].addcmul_(xf[:-j], weight_f[:, W - 1 - j])
+        for s in range(num_seqs):
+            start, end = offsets[s], offsets[s + 1]
+            for i in range(min(j, end - start)):
+                rows.append(start + i)
+                history_idx.append((s, W - 1 - j + i))
+                wrong_rows.append(start + i - j)  # -1 and below: nothing was added there
+                taps.append(W - 1 - j)
+    if rows:
+        seq_idx, hist_col = zip(*history_idx, strict=True)
+        wrong = torch.tensor(wrong_rows, device=x.device)
+        wrong_x = torch.where((wrong >= 0)[:, None], xf[wrong.clamp(min=0)], 0.0)
+        right = histories[list(seq_idx), list(hist_col)]
+        tap_weights = weight_f[:, taps].t()  # (R, C)
+        out.index_add_(0, torch.tensor(rows, device=x.device), tap_weights * (right - wrong_x))
     if bias is not None:
         out += bias.float()
     if activation == "silu":
         out = F.silu(out)
-    # The state after a sequence's last token is the W - 1 rows ending there.
-    state_rows = (seq_bases + lengths)[:, None] + torch.arange(W - 1, device=x.device)
-    final_states = u_all[state_rows]  # (S, W - 1, C)
+
+    def window(s: int, pos: int) -> torch.Tensor:
+        """The conv state after `pos` tokens of sequence s: its last W - 1 inputs."""
+        start = offsets[s]
+        if pos >= W - 1:
+            return xf[start + pos - (W - 1) : start + pos]
+        return torch.cat([histories[s, pos:], xf[start : start + pos]])
+
+    final_states = histories.new_empty((num_seqs, W - 1, C))
+    for s in range(num_seqs):
+        final_states[s] = window(s, offsets[s + 1] - offsets[s])
     num_positions = 0 if state_positions is None else state_positions.shape[0]
-    position_states = u_all.new_empty((num_positions, W - 1, C))
-    base_list = seq_bases.tolist()
+    position_states = histories.new_empty((num_positions, W - 1, C))
     for s in range(num_seqs):
         for row, pos in positions[s]:
-            position_states[row] = u_all[base_list[s] + pos : base_list[s] + pos + W - 1]
+            position_states[row] = window(s, pos)
 
     write_slots(conv_states, final_state_slots, final_states.transpose(1, 2))
     return Conv1dOutput(
