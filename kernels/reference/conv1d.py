@@ -145,14 +145,15 @@ def causal_conv1d_update_ref(
     _check_activation(activation)
 
     valid = state_slots >= 0
-    slots = state_slots[valid].long()
+    all_valid = bool(valid.all())  # padding rows are rare: index only when there are some
+    slots = (state_slots if all_valid else state_slots[valid]).long()
     num_valid = slots.shape[0]
     # As in the SSM state update: an ascending run of slots is updated through a view.
     first = int(slots[0]) if num_valid else 0
     run = torch.arange(first, first + num_valid, device=slots.device)
     in_pool = bool(torch.equal(slots, run)) and conv_states.dtype == torch.float32
     history = conv_states[first : first + num_valid] if in_pool else conv_states[slots].float()
-    xf = x[valid].float()
+    xf = (x if all_valid else x[valid]).float()
     weight_f = weight.float()
     y = xf * weight_f[:, W - 1]  # (b, C); the taps are added one by one (a size-3 reduction
     for k in range(W - 1):  # over the last dim is slow)
@@ -168,6 +169,8 @@ def causal_conv1d_update_ref(
     else:
         conv_states[slots] = shifted.to(conv_states.dtype)
 
+    if all_valid:
+        return y.to(x.dtype)
     out = x.new_zeros((Bt, C))
     out[valid] = y.to(x.dtype)
     return out

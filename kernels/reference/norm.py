@@ -11,9 +11,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
     Shapes: x: (..., Dm); weight: (Dm,). Returns (..., Dm).
     """
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def gated_rms_norm_ref(
@@ -34,6 +32,5 @@ def gated_rms_norm_ref(
     h = x.float()
     if gate is not None:
         h = h * F.silu(gate.float())
-    groups = h.unflatten(-1, (Dm // group_size, group_size))
-    groups = groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)
+    groups = F.rms_norm(h.unflatten(-1, (Dm // group_size, group_size)), (group_size,), eps=eps)
     return (groups.flatten(-2) * weight.float()).to(x.dtype)

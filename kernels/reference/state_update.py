@@ -39,11 +39,16 @@ def selective_state_update_ref(
     assert dt.shape == (Bt, H) and A.shape == (H,) and state_slots.shape == (Bt,)
 
     valid = state_slots >= 0
-    num_valid = int(valid.sum())
-    dt = prepare_dt(dt[valid], dt_bias, dt_softplus, dt_limit)  # (b, H)
-    xf = x[valid].float()  # (b, H, P)
-    B, C = expand_groups(B[valid], H), expand_groups(C[valid], H)  # (b, H, N)
-    slots = state_slots[valid].long()
+    # Padding rows are rare: index only when there are some.
+    all_valid = bool(valid.all())
+    if not all_valid:
+        x, dt, B, C = x[valid], dt[valid], B[valid], C[valid]
+    slots = state_slots if all_valid else state_slots[valid]
+    slots = slots.long()
+    num_valid = slots.shape[0]
+    dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, H)
+    xf = x.float()  # (b, H, P)
+    B, C = expand_groups(B, H), expand_groups(C, H)  # (b, H, N)
 
     # Decode is bound by moving states (H * P * N floats per row), so update in place and,
     # when the rows' slots are one ascending run (the usual case: the runner sorts decode rows
@@ -63,6 +68,8 @@ def selective_state_update_ref(
     if not in_pool:
         ssm_states[slots] = states.to(ssm_states.dtype)
 
+    if all_valid:
+        return y.to(x.dtype)
     out = x.new_zeros((Bt, H, P))
     out[valid] = y.to(x.dtype)
     return out
