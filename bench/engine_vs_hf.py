@@ -165,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and workload (smoke)")
     parser.add_argument("--output", default="bench/results/engine_vs_hf.json")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per system; best is kept")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -182,8 +183,12 @@ def main() -> None:
             workload = make_workload(
                 concurrency, num_requests, prompt_range, output_range, seed=concurrency
             )
-            ours = run_ours(folder, workload)
-            theirs = run_hf(model, workload)
+            # Alternate the two systems and keep each one's best time: this VM's timing noise
+            # is additive (other tenants), so the minimum is the steadiest estimate.
+            ours = theirs = float("inf")
+            for _ in range(args.repeats):
+                ours = min(ours, run_ours(folder, workload))
+                theirs = min(theirs, run_hf(model, workload))
             tokens = workload.num_output_tokens
             rows.append(
                 {
@@ -225,6 +230,7 @@ def main() -> None:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         },
+        "repeats": args.repeats,
         "throughput": rows,
         "prefill": {
             "prompt_len": prompt_len,

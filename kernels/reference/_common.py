@@ -46,7 +46,7 @@ def read_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """
     states = pool.new_zeros((slots.shape[0], *pool.shape[1:]), dtype=torch.float32)
     valid = slots >= 0
-    states[valid] = pool[slots[valid].long()].float()
+    states[valid] = pool.index_select(0, slots[valid].long()).float()
     return states
 
 
@@ -56,7 +56,7 @@ def write_slots(pool: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -
     pool: (num_slots, *state_shape); slots: (S,); states: (S, *state_shape).
     """
     valid = slots >= 0
-    pool[slots[valid].long()] = states[valid].to(pool.dtype)
+    pool.index_copy_(0, slots[valid].long(), states[valid].to(pool.dtype))
 
 
 def positions_by_seq(

@@ -105,8 +105,10 @@ def paged_attention_decode_ref(
     cols = torch.arange(num_cols, device=q.device)
     row_blocks = -(-seq_lens // block_size)
     blocks = torch.where(cols < row_blocks[:, None], block_tables[:, :num_cols], 0).long()
-    k = key_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
-    v = value_cache[blocks].reshape(Bt, num_cols * block_size, Hkv, D).float()
+    # NOTE: index_select, not key_cache[blocks]: several times faster for whole-block rows.
+    k = key_cache.index_select(0, blocks.flatten()).view(Bt, num_cols * block_size, Hkv, D)
+    v = value_cache.index_select(0, blocks.flatten()).view(Bt, num_cols * block_size, Hkv, D)
+    k, v = k.float(), v.float()
     keep = torch.arange(num_cols * block_size, device=q.device) < seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None, :],  # (Bt, H, 1, D)
@@ -126,6 +128,6 @@ def _gather_context(
     """Keys and values of positions [0, seq_len) of one sequence: two (seq_len, Hkv, D)."""
     block_size = key_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = key_cache[blocks].flatten(0, 1)[:seq_len]
-    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
     return k, v

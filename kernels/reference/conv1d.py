@@ -152,7 +152,11 @@ def causal_conv1d_update_ref(
     first = int(slots[0]) if num_valid else 0
     run = torch.arange(first, first + num_valid, device=slots.device)
     in_pool = bool(torch.equal(slots, run)) and conv_states.dtype == torch.float32
-    history = conv_states[first : first + num_valid] if in_pool else conv_states[slots].float()
+    history = (
+        conv_states[first : first + num_valid]
+        if in_pool
+        else conv_states.index_select(0, slots).float()
+    )
     xf = (x if all_valid else x[valid]).float()
     weight_f = weight.float()
     y = xf * weight_f[:, W - 1]  # (b, C); the taps are added one by one (a size-3 reduction
@@ -167,7 +171,7 @@ def causal_conv1d_update_ref(
     if in_pool:
         history.copy_(shifted)
     else:
-        conv_states[slots] = shifted.to(conv_states.dtype)
+        conv_states.index_copy_(0, slots, shifted.to(conv_states.dtype))
 
     if all_valid:
         return y.to(x.dtype)

@@ -58,7 +58,11 @@ def selective_state_update_ref(
         torch.equal(slots, torch.arange(first, first + num_valid, device=slots.device))
     )
     in_pool = contiguous and ssm_states.dtype == torch.float32
-    states = ssm_states[first : first + num_valid] if in_pool else ssm_states[slots].float()
+    states = (
+        ssm_states[first : first + num_valid]
+        if in_pool
+        else ssm_states.index_select(0, slots).float()
+    )
     states.mul_(torch.exp(dt * A.float())[:, :, None, None])
     states.addcmul_((dt[..., None] * xf)[..., None], B[:, :, None, :])  # += dt x B^T
     # NOTE: multiply-and-sum, not `states @ C`: MKL's batched mat-vec is 3x slower here.
@@ -66,7 +70,7 @@ def selective_state_update_ref(
     if D is not None:
         y = y + D.float()[:, None] * xf
     if not in_pool:
-        ssm_states[slots] = states.to(ssm_states.dtype)
+        ssm_states.index_copy_(0, slots, states.to(ssm_states.dtype))
 
     if all_valid:
         return y.to(x.dtype)
