@@ -46,7 +46,7 @@ class StateCaches:
     transceiver moves; per-layer views are strided.
     """
 
-    kv: torch.Tensor | None  # (num_blocks, num_attn_layers, 2, block_size, kv_heads, head_dim)
+    kv: torch.Tensor | None  # (num_blocks, num_attn_layers, 2, kv_heads, block_size, head_dim)
     conv: torch.Tensor | None  # (num_slots, num_mamba_layers, conv_dim, conv_kernel - 1)
     ssm: torch.Tensor | None  # (num_slots, num_mamba_layers, heads, head_dim, state_size)
 

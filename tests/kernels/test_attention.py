@@ -1,7 +1,7 @@
 """Paged attention references against dense causal attention in float64.
 
 The caches are strided views (pool[:, layer, 0] and pool[:, layer, 1]) of one
-(num_blocks, num_layers, 2, block_size, Hkv, D) tensor, so any `.view` on them would fail, and
+(num_blocks, num_layers, 2, Hkv, block_size, D) tensor, so any `.view` on them would fail, and
 block tables are random permutations padded with garbage past each sequence's last block.
 """
 
@@ -23,7 +23,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 def make_pool(dtype):
-    pool = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, HKV, D).to(dtype)
+    pool = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, HKV, BLOCK_SIZE, D).to(dtype)
     return pool, pool[:, LAYER, 0], pool[:, LAYER, 1]
 
 
@@ -42,8 +42,8 @@ def fill_paged(key_cache, value_cache, seq_lens, table_width):
         v = torch.randn(seq_len, HKV, D).to(key_cache.dtype)
         for pos in range(seq_len):
             block = block_tables[s, pos // BLOCK_SIZE]
-            key_cache[block, pos % BLOCK_SIZE] = k[pos]
-            value_cache[block, pos % BLOCK_SIZE] = v[pos]
+            key_cache[block, :, pos % BLOCK_SIZE] = k[pos]
+            value_cache[block, :, pos % BLOCK_SIZE] = v[pos]
         contexts.append((k, v))
     return block_tables, contexts
 
@@ -147,6 +147,6 @@ def test_store_kv_writes_slots_and_skips_minus_one():
     expected = before.clone()
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            expected[slot // BLOCK_SIZE, LAYER, 0, slot % BLOCK_SIZE] = key[t]
-            expected[slot // BLOCK_SIZE, LAYER, 1, slot % BLOCK_SIZE] = value[t]
+            expected[slot // BLOCK_SIZE, LAYER, 0, :, slot % BLOCK_SIZE] = key[t]
+            expected[slot // BLOCK_SIZE, LAYER, 1, :, slot % BLOCK_SIZE] = value[t]
     assert torch.equal(pool, expected)
