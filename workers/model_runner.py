@@ -48,6 +48,7 @@ class ModelRunner:
         self.model_config: HybridModelConfig = checkpoint.config
         self.model = load_model(checkpoint, dtype=self.dtype, device=self.device)
         self.model.eval()
+        self.model.pack_for_cpu()
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
         self.num_mamba_slots = config.num_mamba_slots or config.max_num_seqs

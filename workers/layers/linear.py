@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,23 @@ def new_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A linear layer that may keep a CPU-packed copy of its weight for small batches."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Call once the weights are final (after loading); a no-op where packing does not
+        apply (GPU, non-float32)."""
+        if can_pack(self.weight):
+            self.packed = pack_weight(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, bias, self.packed)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T (+ b) with W's output rows split across ranks, section by section.
 
     `out_sections` lists the full output sizes of sections that must each be split on their own
@@ -98,10 +115,10 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = x W^T (+ b) with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(
@@ -123,11 +140,11 @@ class RowParallelLinear(nn.Module):
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.reduce(F.linear(x, self.weight))
+        out = self.parallel.reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(PackableLinear):
     """A linear layer every rank holds in full (routers, latent projections, the LM head)."""
 
     def __init__(
@@ -143,4 +160,4 @@ class ReplicatedLinear(nn.Module):
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)

@@ -9,12 +9,12 @@ mlp / moe.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.layers.attention import Attention
-from hybridserve.workers.layers.linear import ParallelContext, new_param
+from hybridserve.workers.layers.linear import PackableLinear, ParallelContext, new_param
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
@@ -87,6 +87,7 @@ class HybridForCausalLM(nn.Module):
             layers.append(Sublayer(config, kind, index, parallel, dtype, device))
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype, device)
+        self.lm_head_packed: torch.Tensor | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -108,8 +109,17 @@ class HybridForCausalLM(nn.Module):
             hidden = hidden + (out if residual_multiplier == 1.0 else out * residual_multiplier)
         return self.final_norm(hidden)
 
+    def pack_for_cpu(self) -> None:
+        """Give every linear layer (and the LM head) a CPU-packed weight for decode batches."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack_for_cpu()
+        self.lm_head_packed = (
+            pack_weight(self.lm_head_weight) if can_pack(self.lm_head_weight) else None
+        )
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, hidden) -> float32 logits (R, vocab)."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed).float()
         divisor = self.config.logits_divisor
         return logits if divisor == 1.0 else logits / divisor
