@@ -168,9 +168,17 @@ def hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:
 
 
 def assert_pools_at_baseline(engine: Any) -> None:
+    """Integrity holds, nothing is held by a request, and once the prefix cache is cleared
+    every block and slot is free again."""
     engine.check_integrity()
-    assert engine.cache.num_free_blocks == engine.runner.num_kv_blocks
-    assert engine.cache.num_free_slots == engine.runner.num_mamba_slots
+    cache = engine.cache
+    assert cache.num_free_blocks == engine.runner.num_kv_blocks  # cached blocks count as free
+    assert cache.num_free_slots == cache.states.num_live_slots
+    engine.clear_cache()
+    engine.check_integrity()
+    assert cache.blocks.pool.num_cached == 0
+    assert cache.states.snapshots.num_free == cache.states.snapshots.ids.size
+    assert next(cache.tree.nodes(), None) is None
 
 
 def make_request(
@@ -193,4 +201,6 @@ def make_request(
 
 
 def make_cache(num_blocks: int, block_size: int = 4, num_slots: int = 8) -> HybridCacheManager:
-    return HybridCacheManager(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots)
+    return HybridCacheManager(
+        num_blocks=num_blocks, block_size=block_size, num_live_slots=num_slots
+    )

@@ -29,18 +29,76 @@ class EngineConfig(BaseModel):
         None, ge=1, description="KV pool size in bytes (alternative to num_kv_blocks)"
     )
     num_mamba_slots: int | None = Field(
-        None, ge=1, description="Mamba state slots; default max_num_seqs"
+        None,
+        ge=1,
+        description="Mamba state slots, live + snapshots; default max_num_seqs, plus "
+        "max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
     )
     mamba_ssm_dtype: DType = Field("float32", description="dtype of the SSM state")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse cached prompt prefixes (KV blocks + Mamba snapshots)"
+    )
+    mamba_snapshot_interval: int = Field(
+        512, ge=0, description="snapshot the Mamba state every N prompt tokens (0 = off)"
+    )
+    mamba_save_last_snapshot: bool = Field(
+        True, description="snapshot at the prompt end (and a chat prompt's stable boundary)"
+    )
+    mamba_snapshot_offsets_from_start: tuple[int, ...] = Field(
+        (), description="extra snapshot positions counted from the prompt start"
+    )
+    mamba_snapshot_offsets_from_end: tuple[int, ...] = Field(
+        (), description="extra snapshot positions counted back from the prompt end"
+    )
+    enable_partial_reuse: bool = Field(
+        True, description="allow reuse up to a position inside a block"
+    )
+    host_cache_bytes: int = Field(
+        0, ge=0, description="host memory for evicted blocks and snapshots (0 = no host tier)"
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("set num_kv_blocks or kv_cache_memory_bytes, not both")
+        if self.enable_prefix_caching:
+            if self.max_num_batched_tokens < self.block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                    f"block_size ({self.block_size}): with prefix caching, chunks cut by the "
+                    "budget are rounded down to whole blocks and could never progress; raise "
+                    "max_num_batched_tokens or disable enable_prefix_caching"
+                )
+            if not (
+                self.mamba_snapshot_interval
+                or self.mamba_save_last_snapshot
+                or self.mamba_snapshot_offsets_from_start
+                or self.mamba_snapshot_offsets_from_end
+            ):
+                raise ValueError(
+                    "prefix caching with no Mamba snapshot points would never reuse anything: "
+                    "set mamba_snapshot_interval > 0 or mamba_save_last_snapshot=True"
+                )
+        if self.num_mamba_slots is not None and self.num_mamba_slots < self.max_num_seqs:
+            raise ValueError(
+                f"num_mamba_slots ({self.num_mamba_slots}) is smaller than max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs a live slot; raise "
+                "num_mamba_slots or lower max_num_seqs"
+            )
         if self.tensor_parallel_size > 1:
             raise ValueError(
                 "tensor_parallel_size > 1 is not supported yet: layers are TP-aware but the "
                 "multi-process engine is not built; run one replica per GPU instead"
             )
         return self
+
+    @property
+    def num_live_slots(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        if self.num_mamba_slots is not None:
+            return self.num_mamba_slots - self.max_num_seqs
+        return max(2 * self.max_num_seqs, 64) if self.enable_prefix_caching else 0

@@ -13,7 +13,8 @@ import logging
 
 import torch
 
-from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.cache.events import CacheEventSink
+from hybridserve.workers.cache.manager import HybridCacheManager, PrefixCachingConfig
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.model_runner import ModelRunner
 from hybridserve.workers.models.loader import open_checkpoint
@@ -44,11 +45,31 @@ class Engine:
                 f"max_position_embeddings={model_max}"
             )
         self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        prefix = PrefixCachingConfig(
+            enabled=config.enable_prefix_caching,
+            snapshot_interval=config.mamba_snapshot_interval,
+            save_last_snapshot=config.mamba_save_last_snapshot,
+            partial_reuse=config.enable_partial_reuse,
+            offsets_from_start=config.mamba_snapshot_offsets_from_start,
+            offsets_from_end=config.mamba_snapshot_offsets_from_end,
+            requires_snapshot=self.model_config.num_mamba_layers > 0,
+        )
         self.cache = HybridCacheManager(
             num_blocks=self.runner.num_kv_blocks,
             block_size=config.block_size,
-            num_slots=self.runner.num_mamba_slots,
+            num_live_slots=config.num_live_slots,
+            num_snapshot_slots=config.num_snapshot_slots,
+            prefix=prefix,
+            executor=self.runner.memory,
+            host_blocks=self.runner.memory.num_host_blocks,
+            host_slots=self.runner.memory.num_host_slots,
         )
+        if prefix.enabled and config.num_snapshot_slots == 0 and prefix.requires_snapshot:
+            logger.warning(
+                "prefix caching is on but num_mamba_slots leaves no snapshot slots: "
+                "nothing will be reusable"
+            )
+        self._sinks: list[CacheEventSink] = []
         self.scheduler = Scheduler(
             self.cache,
             max_num_seqs=config.max_num_seqs,
@@ -84,6 +105,8 @@ class Engine:
         *,
         request_id: str | None = None,
         return_prompt_logits: bool = False,
+        cache_salt: str | None = None,
+        stable_prompt_len: int | None = None,
     ) -> str:
         """Queue a request; returns its id. Everything is validated before anything is
         allocated, so a bad request raises ValueError and leaves the engine untouched."""
@@ -114,6 +137,10 @@ class Engine:
             sampling_params=params,
             stop_token_ids=frozenset(stop_ids),
             sample_seed=seed,
+            cache_salt=cache_salt,
+            stable_prompt_len=stable_prompt_len,
+            # Logits of reused positions are never computed: scoring always computes.
+            reuse_prefix=not return_prompt_logits,
         )
         self._requests[request_id] = request
         if return_prompt_logits:
@@ -152,6 +179,7 @@ class Engine:
             return None
         self.scheduler.finish(request, "abort")
         self._forget(request_id)
+        self._publish_cache_events()
         return request.to_output()
 
     def has_unfinished_requests(self) -> bool:
@@ -184,9 +212,26 @@ class Engine:
                     output.text = self.tokenizer.decode(output.token_ids)
                 self.runner.keep_logits.discard(request.request_id)
             outputs.append(output)
+        self._publish_cache_events()
         if not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs
+
+    def subscribe(self, sink: CacheEventSink) -> None:
+        """Deliver this engine's cache events (blocks and snapshots stored / removed) to
+        `sink` after every step that produced some."""
+        self._sinks.append(sink)
+
+    def _publish_cache_events(self) -> None:
+        events = self.cache.take_events()
+        if events:
+            for sink in self._sinks:
+                sink.on_cache_events(events)
+
+    def clear_cache(self) -> None:
+        """Drop every cached block and snapshot (running requests keep what they hold)."""
+        self.cache.clear()
+        self._publish_cache_events()
 
     def take_prompt_logits(self, request_id: str) -> torch.Tensor:
         """Logits (num_prompt_tokens, vocab) of a finished request added with

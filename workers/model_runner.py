@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.cache_memory import CacheMemory
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
@@ -51,8 +52,9 @@ class ModelRunner:
         self.model.pack_for_cpu()
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
-        self.num_mamba_slots = config.num_mamba_slots or config.max_num_seqs
+        self.num_mamba_slots = config.num_live_slots + config.num_snapshot_slots
         self.caches = self._allocate_caches()
+        self.memory = CacheMemory(self.caches, config.host_cache_bytes)
         self.sampler = Sampler()
         # Requests whose every chunk's logits are kept (prompt scoring).
         self.keep_logits: set[str] = set()

@@ -33,6 +33,15 @@ class Request:
     stop_token_ids: frozenset[int]
     # Sampling randomness seed; see `Sampler` for how it combines with the position.
     sample_seed: int
+    # Reuse scope: requests with different salts (tenants) never share cached blocks.
+    cache_salt: str | None = None
+    reuse_prefix: bool = True
+    # For chat requests: tokens of the conversation rendered without the generation prompt,
+    # when those are a true prefix of the prompt (where the next turn will diverge).
+    stable_prompt_len: int | None = None
+    # Set by the cache manager before every scheduling pass: chunks must end at these
+    # absolute positions. None = not set (an error under FORCE_CHUNK), [] = none wanted.
+    expect_snapshot_points: list[int] | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

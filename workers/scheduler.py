@@ -69,6 +69,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # The cache manager says where this pass's chunks must end (spec 2.3, invariant I4).
+        for request in (*self.running, *self.waiting):
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                request.expect_snapshot_points = self.cache.snapshot_points(request)
         # 1. Running requests: decodes first, then unfinished chunks, each in admission order.
         for request in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
             budget = self.max_num_batched_tokens - out.num_tokens
@@ -76,27 +80,51 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_remaining_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, out):
+            num_new = self.chunk_size(request, budget, request.num_computed_tokens)
+            if num_new and self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append(ScheduledRequest(request, num_new))
-        # 2. Waiting requests, unless this step already had to preempt (memory is short).
-        budget = self.max_num_batched_tokens - out.num_tokens
-        while (
-            self.waiting
-            and budget > 0
-            and not out.preempted
-            and len(self.running) < self.max_num_seqs
-        ):
+        # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
+        #    is short). Each first looks up its reusable prefix and starts after it.
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_remaining_tokens, budget)
-            if self.cache.allocate(request, num_new) is None:
+            reuse = self.cache.find_reuse(request)
+            budget = self.max_num_batched_tokens - out.num_tokens
+            num_new = self.chunk_size(request, budget, reuse.num_tokens)
+            if num_new == 0 or self.cache.allocate(request, num_new, reuse) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
         return out
+
+    def chunk_size(self, request: Request, budget: int, position: int) -> int:
+        """Tokens to compute from `position` this step; 0 = not this step (spec 3.4).
+
+        Without prefix caching: whatever fits. With it (FORCE_CHUNK): run to the next
+        snapshot point or to the end; only the budget may cut that short, and then the chunk is
+        rounded down to whole blocks. A chunk ending at a point or at the end is never rounded.
+        """
+        remaining = request.num_tokens - position
+        if not self.cache.enabled:
+            return min(remaining, budget)
+        points = request.expect_snapshot_points
+        if points is None:
+            raise RuntimeError(
+                f"FORCE_CHUNK requires expect_snapshot_points to be set before "
+                f"scheduling request {request.request_id}"
+            )
+        next_point = next((p for p in points if p > position), None)
+        chunk = (
+            remaining
+            if next_point is None
+            else max(0, min(next_point, request.num_prompt_tokens) - position)
+        )
+        chunk = min(chunk, budget)
+        end = position + chunk
+        if chunk < remaining and end != request.num_tokens and end not in points:
+            chunk = chunk // self.cache.block_size * self.cache.block_size
+        return chunk
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for `request`, preempting newer requests until it fits. False if `request`
@@ -130,6 +158,7 @@ class Scheduler:
         for item, token in zip(out.scheduled, sampled, strict=True):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            self.cache.commit(request)
             if token is None:
                 continue
             request.token_ids.append(token)

@@ -50,7 +50,13 @@ def test_chunked_prefill_and_block_sizes_match_transformers(
     reference, max_num_batched_tokens, block_size
 ):
     _, folder, prompts, hf_tokens, hf_prompt_logits = reference
-    llm = LLM(str(folder), max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    # Prefix caching rounds budget-cut chunks to whole blocks, so it needs budget >= block size.
+    llm = LLM(
+        str(folder),
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        enable_prefix_caching=max_num_batched_tokens >= block_size,
+    )
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_tokens
     # Logits of a prompt computed in budget-sized chunks equal one full forward.

@@ -1,14 +1,19 @@
-"""AttentionBlockManager: each request's block table over the KV block pool."""
+"""AttentionBlockManager: each request's block table over the shared KV block pool."""
 
 from __future__ import annotations
 
-from hybridserve.workers.cache.id_pool import IdPool
+from collections import Counter
+from collections.abc import Callable
+
+from hybridserve.workers.cache.block_pool import Block, BlockPool
 
 
 class AttentionBlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, on_evict: Callable[[Block], None] | None = None
+    ) -> None:
         self.block_size = block_size
-        self.pool = IdPool("KV block pool", num_blocks)
+        self.pool = BlockPool(num_blocks, on_evict)
         self._tables: dict[str, list[int]] = {}
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -16,17 +21,28 @@ class AttentionBlockManager:
         held = len(self._tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - held)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to cover `num_tokens`; returns the new block ids."""
+    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Grow the request's table to cover `num_tokens`; the new block ids, or None (and no
+        change) if the pool is short."""
         new_ids = self.pool.allocate(self.num_blocks_needed(request_id, num_tokens))
-        self._tables.setdefault(request_id, []).extend(new_ids)
+        if new_ids is not None:
+            self._tables.setdefault(request_id, []).extend(new_ids)
         return new_ids
+
+    def append(self, request_id: str, block_ids: list[int]) -> None:
+        """Put blocks the caller already holds (reused, promoted or copied) into the table."""
+        self._tables.setdefault(request_id, []).extend(block_ids)
+
+    def has_table(self, request_id: str) -> bool:
+        return request_id in self._tables
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
 
     def free(self, request_id: str) -> None:
-        self.pool.free(self._tables.pop(request_id, []))
+        # Deepest first: the pool reuses least recently released blocks first, so a prefix's
+        # tail is evicted before its head.
+        self.pool.release(reversed(self._tables.pop(request_id, [])))
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity([b for table in self._tables.values() for b in table])
+        self.pool.check_integrity(Counter(b for table in self._tables.values() for b in table))

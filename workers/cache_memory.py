@@ -1,0 +1,103 @@
+"""The device (and optional host) memory behind the cache managers; owned by the ModelRunner.
+
+Device pools: KV blocks and Mamba slots (`StateCaches`). Host tier: the same layouts in host
+memory (pinned when a GPU is present), for blocks and snapshots the device pools evict. This
+class performs the data moves the cache managers ask for (`CacheOpExecutor`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridserve.workers.forward_batch import StateCaches
+
+logger = logging.getLogger(__name__)
+
+
+class CacheMemory:
+    def __init__(self, device_caches: StateCaches, host_bytes: int) -> None:
+        self.device = device_caches
+        self.host: StateCaches | None = None
+        self.num_host_blocks = 0
+        self.num_host_slots = 0
+        if host_bytes > 0:
+            try:
+                self.host = self._allocate_host(host_bytes)
+            except (RuntimeError, MemoryError) as exc:
+                # Invariant I10: a host tier that cannot be set up is a lost optimisation,
+                # never a failed start.
+                logger.warning(
+                    "host cache tier of %d bytes could not be set up (%s); running "
+                    "with device caches only",
+                    host_bytes,
+                    exc,
+                )
+                self.host = None
+                self.num_host_blocks = self.num_host_slots = 0
+
+    @staticmethod
+    def _bytes_per(t: torch.Tensor | None) -> int:
+        return 0 if t is None or t.shape[0] == 0 else t[0].numel() * t.element_size()
+
+    def _allocate_host(self, host_bytes: int) -> StateCaches:
+        """Half the budget for KV blocks, half for Mamba slots (all of it to whichever exists)."""
+        device = self.device
+        block_bytes = self._bytes_per(device.kv)
+        slot_bytes = self._bytes_per(device.conv) + self._bytes_per(device.ssm)
+        kv_share = 0.5 if block_bytes and slot_bytes else (1.0 if block_bytes else 0.0)
+        self.num_host_blocks = int(host_bytes * kv_share) // block_bytes if block_bytes else 0
+        self.num_host_slots = int(host_bytes * (1 - kv_share)) // slot_bytes if slot_bytes else 0
+        pin = torch.cuda.is_available() and device.kv is not None and device.kv.is_cuda
+
+        def like(t: torch.Tensor | None, count: int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.empty((count, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+
+        return StateCaches(
+            kv=like(device.kv, self.num_host_blocks),
+            conv=like(device.conv, self.num_host_slots),
+            ssm=like(device.ssm, self.num_host_slots),
+        )
+
+    # ---- CacheOpExecutor --------------------------------------------------------------------
+
+    def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
+        kv = self.device.kv
+        if kv is not None:  # (block, layer, k/v, kv_head, position, dim)
+            kv[dst, :, :, :, :num_tokens] = kv[src, :, :, :, :num_tokens]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for pool in (self.device.conv, self.device.ssm):
+            if pool is not None:
+                pool[dst] = pool[src]
+
+    def offload_block(self, block_id: int, host_id: int) -> None:
+        assert self.host is not None
+        if self.device.kv is not None:
+            self.host.kv[host_id].copy_(self.device.kv[block_id], non_blocking=True)
+
+    def load_block(self, host_id: int, block_id: int) -> None:
+        assert self.host is not None
+        if self.device.kv is not None:
+            self.device.kv[block_id].copy_(self.host.kv[host_id], non_blocking=True)
+
+    def offload_slot(self, slot: int, host_slot: int) -> None:
+        assert self.host is not None
+        for device_pool, host_pool in (
+            (self.device.conv, self.host.conv),
+            (self.device.ssm, self.host.ssm),
+        ):
+            if device_pool is not None:
+                host_pool[host_slot].copy_(device_pool[slot], non_blocking=True)
+
+    def load_slot(self, host_slot: int, slot: int) -> None:
+        assert self.host is not None
+        for device_pool, host_pool in (
+            (self.device.conv, self.host.conv),
+            (self.device.ssm, self.host.ssm),
+        ):
+            if device_pool is not None:
+                device_pool[slot].copy_(host_pool[host_slot], non_blocking=True)
