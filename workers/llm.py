@@ -47,6 +47,36 @@ class LLM:
         finished = self._run(request_ids, use_tqdm, "generating")
         return [finished[i] for i in request_ids]
 
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's next message for each conversation (list of messages).
+
+        Each prompt carries its stable boundary (the conversation without the generation
+        prompt), so the turn-end snapshot lands where the next turn will diverge."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this checkpoint has no tokenizer.json")
+        batch = (
+            [conversations]
+            if conversations and isinstance(conversations[0], dict)
+            else list(conversations)
+        )
+        params = sampling_params or SamplingParams()
+        request_ids = []
+        for messages in batch:
+            chat = self.tokenizer.render_chat(messages)  # type: ignore[arg-type]
+            request_ids.append(
+                self.engine.add_request(
+                    chat.token_ids, params, cache_salt=cache_salt, stable_prompt_len=chat.stable_len
+                )
+            )
+        finished = self._run(request_ids, use_tqdm, "chatting")
+        return [finished[i] for i in request_ids]
+
     def prompt_logits(self, prompts: Sequence[list[int]]) -> list[torch.Tensor]:
         """Float32 logits (num_prompt_tokens, vocab) for each prompt: row i predicts token i+1."""
         request_ids = [

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    token_ids: list[int]
+    # Tokens of the conversation rendered without the generation prompt, when those are a true
+    # prefix of `token_ids`: where the next turn's prompt will diverge from this one.
+    stable_len: int | None
 
 
 class ChatTemplateError(ValueError):
@@ -119,3 +128,20 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> ChatPrompt:
+        """Token ids of a chat prompt (with the generation prompt) and its stable prefix length.
+
+        The stable part is best effort (spec 2.9): a template that rejects
+        add_generation_prompt=False, or renders something that is not a prefix, gives None.
+        """
+        token_ids = self.encode(
+            self.apply_chat_template(messages, **extra), add_special_tokens=False
+        )
+        try:
+            stable_text = self.apply_chat_template(messages, add_generation_prompt=False, **extra)
+        except ChatTemplateError:
+            return ChatPrompt(token_ids, None)
+        stable = self.encode(stable_text, add_special_tokens=False)
+        is_prefix = 0 < len(stable) < len(token_ids) and token_ids[: len(stable)] == stable
+        return ChatPrompt(token_ids, len(stable) if is_prefix else None)

@@ -185,20 +185,33 @@ class HybridCacheManager:
         bs, partial = self.block_size, self.prefix.partial_reuse
         match = self.tree.match(lookup, request.cache_salt, partial=partial)
         attention_len = match.matched_len
+        path = tuple(b.node for b in match.blocks)
         if not self.prefix.requires_snapshot:
-            nodes = tuple(b.node for b in match.blocks)
+            beyond = match.levels[len(path) :]
+            nodes = path + ((beyond[0][0].node,) if beyond else ())
             return Reuse(attention_len, nodes, None, attention_len, len(lookup))
-        # Deepest block whose snapshot lies within what matched there: never beyond the fork.
-        for index in range(len(match.blocks) - 1, -1, -1):
-            matched = match.blocks[index]
-            snapshot = matched.node.snapshot
-            if (
-                snapshot is not None
-                and 0 < snapshot.coverage <= matched.num_tokens
-                and (partial or snapshot.coverage == bs)
-            ):
-                nodes = tuple(b.node for b in match.blocks[: index + 1])
-                return Reuse(snapshot.position, nodes, snapshot, attention_len, len(lookup))
+        # Deepest block first; within a block, the usable snapshot of largest coverage among
+        # the nodes sharing a prefix with the lookup there (never beyond the fork: coverage
+        # <= tokens matched in that node). A deeper block always means a deeper position.
+        for index in range(len(match.levels) - 1, -1, -1):
+            usable = [
+                m
+                for m in match.levels[index]
+                if m.node.snapshot is not None
+                and m.node.snapshot.coverage <= m.num_tokens
+                and (partial or m.node.snapshot.coverage == bs)
+            ]
+            if usable:
+                best = max(usable, key=lambda m: m.node.snapshot.coverage)  # type: ignore[union-attr]
+                snapshot = best.node.snapshot
+                assert snapshot is not None
+                return Reuse(
+                    snapshot.position,
+                    (*path[:index], best.node),
+                    snapshot,
+                    attention_len,
+                    len(lookup),
+                )
         return Reuse(0, (), None, attention_len, len(lookup))
 
     # ---- 3. allocation --------------------------------------------------------------------
@@ -449,7 +462,9 @@ class HybridCacheManager:
         node = block.node
         assert node is not None
         block.node, node.block_id = None, None
-        if self.host is not None:
+        # NOTE: a node can already have a host copy (`_share_existing` gave a host-only node
+        # a device copy again); that copy stays valid, and a second one would leak.
+        if self.host is not None and node.host_block_id is None:
             host_id = self.host.blocks.allocate(node, pinned=self._pinned_host_blocks)
             if host_id is not None:
                 self._executor().offload_block(block.block_id, host_id)

@@ -85,15 +85,29 @@ class MatchedBlock:
 
 @dataclass(frozen=True)
 class Match:
-    """A lookup result; side-effect free, valid until the tree next changes."""
+    """A lookup result; side-effect free, valid until the tree next changes.
+
+    `blocks` are the fully matching blocks, in order. `levels[i]` lists every node of block i
+    (a child of blocks[i - 1]) that shares a prefix with the lookup there, longest first: the
+    full match itself and, with partial matching, siblings sharing fewer tokens. Siblings in
+    one block can carry different snapshots, so the reuse decision looks at all of them.
+
+        lookup:    [ block 0 ][ block 1 ][ block 2 ][ blo.. ]
+        blocks:    [  full   ][  full   ][  full   ]
+        levels[2]: full node of block 2, a 9-token partial sibling, ...
+        levels[3]: partial candidates for the rest (no full match there)
+    """
 
     blocks: list[MatchedBlock]
+    levels: list[list[MatchedBlock]]
     lookup_len: int
 
     @property
     def matched_len(self) -> int:
         """The attention-only reusable length (all matched tokens)."""
-        return sum(b.num_tokens for b in self.blocks)
+        full = sum(b.num_tokens for b in self.blocks)
+        beyond = self.levels[len(self.blocks)] if len(self.levels) > len(self.blocks) else []
+        return full + (beyond[0].num_tokens if beyond else 0)
 
 
 class PrefixTree:
@@ -116,29 +130,35 @@ class PrefixTree:
                     yield node
 
     def match(self, token_ids: Sequence[int], cache_salt: str | None, *, partial: bool) -> Match:
-        """Walk full blocks by key, then (with `partial`) the child sharing the longest
-        prefix of the remaining tokens."""
+        """Walk full blocks by key; with `partial`, also collect at each block the nodes that
+        share a shorter prefix with the lookup (including past the last full match)."""
         bs = self.block_size
         node = self.roots.get(root_hash(cache_salt))
         blocks: list[MatchedBlock] = []
+        levels: list[list[MatchedBlock]] = []
         pos = 0
-        while node is not None and pos + bs <= len(token_ids):
+        while node is not None and pos < len(token_ids):
             tokens = tuple(token_ids[pos : pos + bs])
-            child = node.children.get(block_hash(node.key, tokens))
-            if child is None or child.token_ids != tokens:
+            level: list[MatchedBlock] = []
+            full = node.children.get(block_hash(node.key, tokens)) if len(tokens) == bs else None
+            if full is not None and full.token_ids == tokens:
+                level.append(MatchedBlock(full, bs))
+            else:
+                full = None
+            if partial and len(node.children) < MAX_SCANNED_CHILDREN:
+                for child in node.children.values():
+                    if child is not full:
+                        common = _common_prefix(child.token_ids, tokens)
+                        if common > 0:
+                            level.append(MatchedBlock(child, common))
+                level.sort(key=lambda m: -m.num_tokens)
+            if level:
+                levels.append(level)
+            if full is None:
                 break
-            blocks.append(MatchedBlock(child, bs))
-            node, pos = child, pos + bs
-        if partial and node is not None and 0 < len(node.children) < MAX_SCANNED_CHILDREN:
-            rest = token_ids[pos : pos + bs]
-            best, best_len = None, 0
-            for child in node.children.values():
-                common = _common_prefix(child.token_ids, rest)
-                if common > best_len:
-                    best, best_len = child, common
-            if best is not None:
-                blocks.append(MatchedBlock(best, best_len))
-        return Match(blocks, len(token_ids))
+            blocks.append(MatchedBlock(full, bs))
+            node, pos = full, pos + bs
+        return Match(blocks, levels, len(token_ids))
 
     def child(self, parent: TreeNode, token_ids: Sequence[int]) -> TreeNode | None:
         node = parent.children.get(block_hash(parent.key, token_ids))

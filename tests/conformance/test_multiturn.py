@@ -1,0 +1,120 @@
+"""Conformance: multi-turn reuse gives exactly the tokens of a run without reuse (spec 7).
+
+The workload is the repeat-shuffle task of spec 7.1 in token space: 20 conversations x 4
+turns over 3 shared system prompts. Turn k's prompt = system prompt + earlier turns (user
+message + the model's own answer) + a new user message; its "base" is the same without the new
+message. Transcripts come from a run with prefix caching off; then, for each caching
+configuration, the turns are replayed in a shuffled order, each base warmed (max_tokens 1)
+right before its full prompt, and every full prompt's greedy tokens must equal the reference.
+
+Runs on tiny random checkpoints of every architecture; set HYBRIDSERVE_CONFORMANCE_MODEL to an
+HF checkpoint folder to run it against that model instead.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridserve.workers import LLM, SamplingParams
+from tests.helpers import ARCHITECTURES, assert_pools_at_baseline, make_hf_model, random_prompts
+
+NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 20, 4, 12
+GREEDY = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+WARM = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+COMMON = {"block_size": 16, "max_num_seqs": 8}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "interval-only": {"mamba_snapshot_interval": 32, "mamba_save_last_snapshot": False},
+    "save-last-only": {"mamba_snapshot_interval": 0, "mamba_save_last_snapshot": True},
+    "interval-and-save-last": {"mamba_snapshot_interval": 48},
+    "partial-reuse-off": {"mamba_snapshot_interval": 48, "enable_partial_reuse": False},
+    "budget-below-interval": {"mamba_snapshot_interval": 64, "max_num_batched_tokens": 32},
+    "eviction": {
+        "mamba_snapshot_interval": 32,
+        "num_kv_blocks": 40,
+        "max_model_len": 512,
+        "num_mamba_slots": COMMON["max_num_seqs"] + 6,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Turn:
+    conversation: int
+    index: int
+    base: list[int]  # system prompt + earlier turns with their answers
+    prompt: list[int]  # base + the new user message
+    answer: list[int]  # reference greedy tokens (prefix caching off)
+
+
+def build_transcripts(model: str) -> list[Turn]:
+    llm = LLM(model, enable_prefix_caching=False, **COMMON)
+    vocab = llm.engine.model_config.vocab_size
+    systems = random_prompts([45, 70, 90], seed=11, vocab=vocab)
+    users = random_prompts(
+        [5 + (i * 7) % 23 for i in range(NUM_CONVERSATIONS * NUM_TURNS)], seed=12, vocab=vocab
+    )
+    turns = []
+    for conversation in range(NUM_CONVERSATIONS):
+        history = list(systems[conversation % len(systems)])
+        for index in range(NUM_TURNS):
+            prompt = history + users[conversation * NUM_TURNS + index]
+            (answer,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+            turns.append(Turn(conversation, index, history, prompt, answer.token_ids))
+            history = prompt + answer.token_ids
+    return turns
+
+
+@pytest.fixture(
+    scope="module",
+    params=ARCHITECTURES if not os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL") else ["given"],
+)
+def transcripts(request, tmp_path_factory) -> tuple[str, list[Turn]]:
+    model = os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
+    if model is None:
+        folder: Path = tmp_path_factory.mktemp(request.param)
+        make_hf_model(request.param).save_pretrained(folder)
+        model = str(folder)
+    return model, build_transcripts(model)
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_shuffled_multiturn_with_reuse_equals_no_reuse(transcripts, config_name):
+    model, turns = transcripts
+    config = CONFIGS[config_name]
+    llm = LLM(model, **COMMON | config)
+    events: list = []
+    llm.engine.subscribe(type("Sink", (), {"on_cache_events": lambda self, e: events.extend(e)})())
+    order = list(turns)
+    random.Random(1234).shuffle(order)
+    for turn in order:
+        # Spec 7.1 / I18: warm each base right before its full prompt, never all bases first.
+        llm.generate([turn.base], WARM, use_tqdm=False)
+        (out,) = llm.generate([turn.prompt], GREEDY, use_tqdm=False)
+        assert out.token_ids == turn.answer, (config_name, turn.conversation, turn.index)
+        assert out.num_cached_tokens <= len(turn.prompt) - 1
+        if config_name == "save-last-only":
+            # The base's prompt-end snapshot is the deepest usable one (spec 2.9).
+            assert out.num_cached_tokens == len(turn.base), (turn.conversation, turn.index)
+        elif config_name != "eviction":
+            interval = config["mamba_snapshot_interval"]
+            assert out.num_cached_tokens >= len(turn.base) // interval * interval
+            if not config.get("enable_partial_reuse", True):
+                assert out.num_cached_tokens % COMMON["block_size"] == 0
+            elif config.get("mamba_save_last_snapshot", True):
+                assert out.num_cached_tokens >= len(turn.base)
+        llm.engine.check_integrity()
+    stats = llm.engine.cache.stats
+    assert stats.hits > 0 and stats.reused_tokens > 0
+    if config_name == "partial-reuse-off":
+        assert stats.unaligned_hits == 0
+    if config_name == "eviction":  # the small pools really did evict
+        kinds = {type(e).__name__ for e in events}
+        assert {"BlockRemoved", "SnapshotRemoved"} <= kinds
+    assert_pools_at_baseline(llm.engine)
