@@ -122,7 +122,7 @@ class Scheduler:
         )
         chunk = min(chunk, budget)
         end = position + chunk
-        if chunk < remaining and end != request.num_tokens and end not in points:
+        if chunk < remaining and end < request.num_prompt_tokens and end not in points:
             chunk = chunk // self.cache.block_size * self.cache.block_size
         return chunk
 

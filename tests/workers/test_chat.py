@@ -1,0 +1,73 @@
+"""Chat prompts carry their stable boundary; the next turn resumes from the previous one."""
+
+from __future__ import annotations
+
+from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.models.tiny import tiny_tokenizer_backend
+from hybridserve.workers.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hello there"},
+]
+
+
+def test_render_chat_marks_the_conversation_without_the_generation_prompt():
+    tokenizer = LLM("tiny", enable_prefix_caching=False).tokenizer
+    assert tokenizer is not None
+    chat = tokenizer.render_chat(CONVERSATION)
+    stable = tokenizer.encode(
+        tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False),
+        add_special_tokens=False,
+    )
+    assert chat.stable_len == len(stable) and chat.token_ids[: len(stable)] == stable
+    assert tokenizer.decode(chat.token_ids[len(stable) :], skip_special_tokens=False) == (
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
+    reordering = Tokenizer(
+        tiny_tokenizer_backend(),
+        chat_template=(
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        ),
+    )
+    assert reordering.render_chat(CONVERSATION).stable_len is None
+    refusing = Tokenizer(
+        tiny_tokenizer_backend(),
+        chat_template=(
+            "{% if not add_generation_prompt %}{{ raise_exception('no') }}{% endif %}"
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        ),
+    )
+    chat = refusing.render_chat(CONVERSATION)
+    assert chat.stable_len is None and chat.token_ids
+
+
+def test_second_turn_resumes_at_the_first_turn_prompt_end():
+    llm = LLM("tiny", mamba_snapshot_interval=0)
+    (first,) = llm.chat(CONVERSATION, GREEDY)
+    assert first.num_cached_tokens == 0
+    follow_up = [
+        *CONVERSATION,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and again"},
+    ]
+    (second,) = llm.chat(follow_up, GREEDY)
+    assert second.num_cached_tokens == len(first.prompt_token_ids)
+    plain = LLM("tiny", enable_prefix_caching=False)
+    assert second.token_ids == plain.chat(follow_up, GREEDY)[0].token_ids
+    # The stable boundary (without "<|im_start|>assistant\n") was snapshotted too.
+    stable = llm.tokenizer.render_chat(follow_up).stable_len  # type: ignore[union-attr]
+    assert stable is not None
+    points = llm.engine.cache.snapshot_points(
+        type(
+            "R",
+            (),
+            {"num_prompt_tokens": len(second.prompt_token_ids), "stable_prompt_len": stable},
+        )()
+    )
+    assert stable in points and len(second.prompt_token_ids) in points
