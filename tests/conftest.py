@@ -1,0 +1,12 @@
+"""Session-wide test setup."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run under the interpreter (numpy, slow: tests use tiny shapes).
+# It must be set before triton is imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
