@@ -13,13 +13,20 @@ import logging
 
 import torch
 
+from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
 from hybridserve.workers.cache.events import CacheEventSink
 from hybridserve.workers.cache.manager import HybridCacheManager, PrefixCachingConfig
 from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.disaggregation import (
+    DecodeReceives,
+    Handoff,
+    PrefillHandoffs,
+    peer_layout,
+)
 from hybridserve.workers.model_runner import ModelRunner
 from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.outputs import RequestOutput
-from hybridserve.workers.request import Request
+from hybridserve.workers.request import Request, RequestStatus
 from hybridserve.workers.sampler import mix_seed
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.scheduler import Scheduler
@@ -75,6 +82,30 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+        )
+        self.layout = peer_layout(self.model_config, config, self.runner.caches)
+        compatibility = self.layout.compatibility_hash()
+        self.handoffs = (
+            PrefillHandoffs(
+                self.scheduler,
+                self.cache,
+                lease_seconds=config.transfer_lease_seconds,
+                compatibility_hash=compatibility,
+            )
+            if config.role == "prefill"
+            else None
+        )
+        self.receives = (
+            DecodeReceives(
+                self.scheduler,
+                self.cache,
+                vocab_size=self.model_config.vocab_size,
+                max_model_len=self.max_model_len,
+                compatibility_hash=compatibility,
+                failure_policy=config.transfer_failure_policy,
+            )
+            if config.role == "decode"
+            else None
         )
         self._requests: dict[str, Request] = {}
         self._prompt_logits: dict[str, list[torch.Tensor]] = {}
@@ -177,6 +208,10 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        if request.status is RequestStatus.HANDED_OFF and self.handoffs is not None:
+            self.handoffs.release(request_id, "aborted")
+        elif request.status is RequestStatus.RECEIVING and self.receives is not None:
+            self.receives.fail(request_id, "aborted", writer_done=False)
         self.scheduler.finish(request, "abort")
         self._forget(request_id)
         self._publish_cache_events()
@@ -211,11 +246,70 @@ class Engine:
                 if self.tokenizer is not None:
                     output.text = self.tokenizer.decode(output.token_ids)
                 self.runner.keep_logits.discard(request.request_id)
+            elif self.handoffs is not None and request.num_output_tokens == 1:
+                # Prefill role: the prompt is done and the first token sampled; decode
+                # continues elsewhere from exactly this state.
+                self.handoffs.hand_off(request)
             outputs.append(output)
+        self._sweep_transfers()
         self._publish_cache_events()
         if not self.scheduler.has_unfinished():
             self.check_integrity()
         return outputs
+
+    # ---- disaggregation ---------------------------------------------------------------------
+
+    def take_handoffs(self) -> list[Handoff]:
+        """Prefill role: requests handed off since the last call (each holds its pages until
+        `release_handoff` or its lease expires)."""
+        assert self.handoffs is not None, "take_handoffs needs role=prefill"
+        return self.handoffs.take_new()
+
+    def release_handoff(self, request_id: str, reason: str) -> bool:
+        assert self.handoffs is not None, "release_handoff needs role=prefill"
+        released = self.handoffs.release(request_id, reason)
+        if released:
+            self._requests.pop(request_id, None)
+        return released
+
+    def prepare_receive(self, message: TransferRequest) -> ReceivePlan:
+        """Decode role: validate a transfer and reserve its destination (TransferRejected if
+        it cannot be accepted; nothing is held then)."""
+        assert self.receives is not None, "prepare_receive needs role=decode"
+        plan = self.receives.prepare(message, set(self._requests))
+        self._requests[message.request_id] = self.receives.receiving[message.request_id].request
+        return plan
+
+    def complete_receive(self, request_id: str) -> None:
+        assert self.receives is not None, "complete_receive needs role=decode"
+        self.receives.complete(request_id)
+
+    def fail_receive(
+        self, request_id: str, reason: str, *, writer_done: bool
+    ) -> RequestOutput | None:
+        """A transfer into this engine failed: recompute it here, or end it with an error
+        (returned) per `transfer_failure_policy`."""
+        assert self.receives is not None, "fail_receive needs role=decode"
+        request = self.receives.fail(request_id, reason, writer_done=writer_done)
+        if request is None or not request.is_finished:
+            return None
+        self._requests.pop(request_id, None)
+        return request.to_output()
+
+    def _sweep_transfers(self) -> None:
+        if self.handoffs is not None:
+            for request_id in self.handoffs.expire():
+                self._requests.pop(request_id, None)
+        if self.receives is not None:
+            self.receives.sweep()
+
+    def has_pending_transfers(self) -> bool:
+        return bool(
+            (self.handoffs is not None and self.handoffs.pending)
+            or (
+                self.receives is not None and (self.receives.receiving or self.receives.quarantined)
+            )
+        )
 
     def subscribe(self, sink: CacheEventSink) -> None:
         """Deliver this engine's cache events (blocks and snapshots stored / removed) to

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
@@ -16,6 +16,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int  # prompt tokens reused from cache instead of computed
     text: str = ""  # the generated text; decoded once the request finishes
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,10 @@ from hybridserve.workers.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Disaggregation: a prefill engine's request after its first token, holding its blocks and
+    # slot for the transfer; a decode engine's request whose state is still arriving.
+    HANDED_OFF = "handed_off"
+    RECEIVING = "receiving"
     FINISHED = "finished"
 
 
@@ -48,6 +52,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why, when finish_reason is "error"
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -84,4 +89,5 @@ class Request:
             token_ids=self.output_token_ids,
             finish_reason=self.finish_reason,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )

@@ -33,6 +33,9 @@ class AttentionBlockManager:
         """Put blocks the caller already holds (reused, promoted or copied) into the table."""
         self._tables.setdefault(request_id, []).extend(block_ids)
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        self._tables[new_id] = self._tables.pop(request_id)
+
     def has_table(self, request_id: str) -> bool:
         return request_id in self._tables
 

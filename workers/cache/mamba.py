@@ -93,6 +93,9 @@ class MambaStateManager:
         self._live[request_id] = slot
         return slot
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        self._live[new_id] = self._live.pop(request_id)
+
     def live_slot(self, request_id: str) -> int:
         return self._live[request_id]
 

@@ -322,6 +322,43 @@ class HybridCacheManager:
             request.num_prompt_tokens,
         )
 
+    def allocate_received(self, request: Request, block_hashes: list[bytes],
+                          num_tokens: int) -> tuple[int, Allocation] | None:
+        """Destination for a transferred request (decode side): share the leading full blocks
+        this engine already caches (by key), allocate the rest for `num_tokens` tokens and a
+        live slot. Returns (number of blocks held already, allocation), or None if short."""
+        pool, bs = self.blocks.pool, self.block_size
+        held: list[TreeNode] = []
+        for node in self.tree.walk(block_hashes, request.cache_salt):
+            if node.block_id is None:
+                break  # only on the host: cheaper to receive it again
+            held.append(node)
+        num_new = -(-num_tokens // bs) - len(held)
+        held_free = sum(1 for n in held if pool.blocks[n.block_id].ref_count == 0)
+        if num_new > pool.num_free - held_free or self.states.live.num_free == 0:
+            return None
+        for node in held:
+            pool.acquire(node.block_id)  # type: ignore[arg-type]
+        new_ids = pool.allocate(num_new)
+        assert new_ids is not None
+        self.blocks.append(request.request_id, [*(n.block_id for n in held), *new_ids])
+        slot = self.states.allocate(request.request_id)
+        self._requests[request.request_id] = _RequestCache(held, len(held) * bs)
+        return len(held), Allocation(new_ids, slot)
+
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Move everything `request_id` holds to `new_id` (e.g. a quarantine owner)."""
+        self.blocks.rename(request_id, new_id)
+        self.states.rename(request_id, new_id)
+        if request_id in self._requests:
+            self._requests[new_id] = self._requests.pop(request_id)
+
+    def free_owner(self, owner: str) -> None:
+        """Release what an owner that is not a request (a quarantine) holds."""
+        self.blocks.free(owner)
+        self.states.free(owner)
+        self._requests.pop(owner, None)
+
     # ---- 4. commit ------------------------------------------------------------------------
 
     def commit(self, request: Request) -> None:

@@ -160,6 +160,17 @@ class PrefixTree:
             node, pos = full, pos + bs
         return Match(blocks, levels, len(token_ids))
 
+    def walk(self, keys: Sequence[bytes], cache_salt: str | None) -> list[TreeNode]:
+        """The nodes of a chain of full-block keys, as far as the tree has them."""
+        nodes: list[TreeNode] = []
+        node = self.roots.get(root_hash(cache_salt))
+        for key in keys:
+            node = node.children.get(BlockHash(key)) if node is not None else None
+            if node is None or not node.is_full:
+                break
+            nodes.append(node)
+        return nodes
+
     def child(self, parent: TreeNode, token_ids: Sequence[int]) -> TreeNode | None:
         node = parent.children.get(block_hash(parent.key, token_ids))
         return node if node is not None and node.token_ids == tuple(token_ids) else None

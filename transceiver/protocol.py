@@ -1,0 +1,188 @@
+"""The transceiver's wire messages: versioned, msgpack-serialisable, never pickle.
+
+    prefill (sender)                                  decode (receiver)
+    Hello(layout, backend info)        <---->         Hello(layout, backend info)
+    TransferRequest(request, state_pos, ...)  --->    validate, allocate
+                                              <---    ReceivePlan(held blocks, dst blocks, slot)
+    KV blocks [held, n) + live Mamba slot     --->    (data plane: TCP bytes or NIXL writes)
+    TransferDone                              --->    admit, continue decoding
+                                              <---    TransferAck        (prefill frees)
+    TransferAbort / TransferError either way at any point: both sides release.
+
+Every message is a dict {"v": PROTOCOL_VERSION, "type": ..., fields}; decoding checks both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from hybridserve.transceiver.layout import PeerLayout
+
+PROTOCOL_VERSION = 1
+# Largest control message accepted (a TransferRequest carries the prompt): 64 MiB.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ProtocolError(ValueError):
+    """A peer sent something this side cannot accept; the message says what."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    layout: PeerLayout
+    backend: str
+    # Backend-specific connection data (NIXL agent metadata and pool descriptors).
+    backend_info: bytes = b""
+    type: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class SamplingState:
+    """What the receiver needs to continue sampling exactly as the sender would."""
+
+    params: dict[str, Any]
+    sample_seed: int
+    stop_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    # Keys of the prompt's full blocks (salted chain): the receiver skips those it holds.
+    block_hashes: list[bytes]
+    cache_salt: str | None
+    # Tokens the shipped Mamba state has consumed: the whole prompt.
+    state_pos: int
+    first_token: int
+    sampling: SamplingState
+    num_cached_tokens: int
+    compatibility_hash: str
+    type: ClassVar[str] = "transfer_request"
+
+
+@dataclass(frozen=True)
+class ReceivePlan:
+    request_id: str
+    # The receiver already holds the first `held_blocks` blocks; send blocks [held, n).
+    held_blocks: int
+    dst_block_ids: list[int]
+    dst_slot: int
+    type: ClassVar[str] = "receive_plan"
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    request_id: str
+    type: ClassVar[str] = "transfer_done"
+
+
+@dataclass(frozen=True)
+class TransferAck:
+    request_id: str
+    type: ClassVar[str] = "transfer_ack"
+
+
+@dataclass(frozen=True)
+class TransferAbort:
+    request_id: str
+    reason: str
+    type: ClassVar[str] = "transfer_abort"
+
+
+@dataclass(frozen=True)
+class TransferError:
+    request_id: str
+    code: str
+    message: str
+    type: ClassVar[str] = "transfer_error"
+
+
+Message = (
+    Hello
+    | TransferRequest
+    | ReceivePlan
+    | TransferDone
+    | TransferAck
+    | TransferAbort
+    | TransferError
+)
+_TYPES: dict[str, type[Any]] = {
+    cls.type: cls
+    for cls in (
+        Hello,
+        TransferRequest,
+        ReceivePlan,
+        TransferDone,
+        TransferAck,
+        TransferAbort,
+        TransferError,
+    )
+}
+
+
+def to_dict(message: Message) -> dict[str, Any]:
+    data = asdict(message)
+    return {"v": PROTOCOL_VERSION, "type": message.type, **data}
+
+
+def from_dict(data: Any) -> Message:
+    if not isinstance(data, dict):
+        raise ProtocolError(f"expected a message object, got {type(data).__name__}")
+    if data.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {data.get('v')!r} is not {PROTOCOL_VERSION}: "
+            "both engines must run the same hybridserve transfer protocol"
+        )
+    cls = _TYPES.get(data.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown message type {data.get('type')!r}")
+    values = {k: v for k, v in data.items() if k not in ("v", "type")}
+    expected = {f.name for f in fields(cls)}
+    if set(values) != expected:
+        raise ProtocolError(f"{cls.type}: expected fields {sorted(expected)}, got {sorted(values)}")
+    if cls is Hello:
+        values["layout"] = PeerLayout.from_dict(values["layout"])
+    if cls is TransferRequest:
+        values["sampling"] = SamplingState(**values["sampling"])
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.type}: {exc}") from exc
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(to_dict(message), use_bin_type=True)
+
+
+def decode(payload: bytes) -> Message:
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ProtocolError(f"not a msgpack message: {exc}") from exc
+    return from_dict(data)
+
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "Hello",
+    "Message",
+    "ProtocolError",
+    "ReceivePlan",
+    "SamplingState",
+    "TransferAbort",
+    "TransferAck",
+    "TransferDone",
+    "TransferError",
+    "TransferRequest",
+    "decode",
+    "encode",
+    "from_dict",
+    "to_dict",
+]

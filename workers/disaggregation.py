@@ -1,0 +1,334 @@
+"""Engine roles for disaggregated serving: prefill hands requests off, decode receives them.
+
+    prefill engine                             decode engine
+    prompt computed, first token sampled
+    hand_off: the request leaves the           prepare: validate; share the prefix blocks it
+      scheduler but keeps its blocks and         already caches; allocate the rest and a live
+      live slot, under a lease                   slot (the request waits, unschedulable)
+           ---- KV blocks [held, n) + live Mamba state after the prompt (state_pos) ---->
+    release on ack / abort / lease expiry      complete: cursor = prompt length; it joins the
+                                                 running requests and decodes the first token
+                                               fail: recompute locally or end with an error;
+                                                 the destination pages stay quarantined until
+                                                 no write can still be filling them
+
+Ownership (spec A0): prefill pages belong to the handoff until one of its three release events;
+decode pages belong to the receiving request, then to a quarantine, never straight to the pool
+while a writer may be active.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from hybridserve.transceiver.layout import PeerLayout
+from hybridserve.transceiver.protocol import (
+    ReceivePlan,
+    SamplingState,
+    TransferRequest,
+)
+from hybridserve.workers.cache.hashing import block_hashes
+from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.forward_batch import StateCaches
+from hybridserve.workers.models.config import HybridModelConfig
+from hybridserve.workers.request import Request, RequestStatus
+from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class TransferRejected(ValueError):
+    """The decode engine refuses a transfer; `code` is machine-readable, the message says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Handoff:
+    request: Request
+    message: TransferRequest
+    deadline: float  # monotonic seconds; the lease
+
+
+class PrefillHandoffs:
+    """Requests this prefill engine has finished and is holding for a transfer."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        cache: HybridCacheManager,
+        *,
+        lease_seconds: float,
+        compatibility_hash: str,
+    ) -> None:
+        self.scheduler = scheduler
+        self.cache = cache
+        self.lease_seconds = lease_seconds
+        self.compatibility_hash = compatibility_hash
+        self.pending: dict[str, Handoff] = {}
+        self._new: list[Handoff] = []
+
+    def hand_off(self, request: Request) -> Handoff:
+        """Take a request that just sampled its first token out of the scheduler, keeping its
+        blocks and live slot (now holding the state after the whole prompt)."""
+        self.scheduler.running.remove(request)
+        request.status = RequestStatus.HANDED_OFF
+        params = request.sampling_params
+        message = TransferRequest(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            block_hashes=list(
+                block_hashes(request.prompt_token_ids, self.cache.block_size, request.cache_salt)
+            ),
+            cache_salt=request.cache_salt,
+            state_pos=request.num_prompt_tokens,
+            first_token=request.token_ids[request.num_prompt_tokens],
+            sampling=SamplingState(
+                params=params.model_dump(mode="json"),
+                sample_seed=request.sample_seed,
+                stop_token_ids=sorted(request.stop_token_ids),
+            ),
+            num_cached_tokens=request.num_cached_tokens,
+            compatibility_hash=self.compatibility_hash,
+        )
+        assert request.num_computed_tokens == request.num_prompt_tokens
+        handoff = Handoff(request, message, time.monotonic() + self.lease_seconds)
+        self.pending[request.request_id] = handoff
+        self._new.append(handoff)
+        return handoff
+
+    def take_new(self) -> list[Handoff]:
+        new, self._new = self._new, []
+        return new
+
+    def source(self, request_id: str) -> tuple[list[int], int]:
+        """The blocks and live slot a pending handoff's data is read from."""
+        return self.cache.block_table(request_id), self.cache.live_slot(request_id)
+
+    def release(self, request_id: str, reason: str) -> bool:
+        """Ack, abort or expiry: free the handoff's pages. False if it was already released
+        (release is idempotent: a late ack after an abort changes nothing)."""
+        handoff = self.pending.pop(request_id, None)
+        if handoff is None:
+            return False
+        self.cache.free(handoff.request)
+        handoff.request.status = RequestStatus.FINISHED
+        logger.info("request %s: handoff released (%s)", request_id, reason)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Release every handoff whose lease has passed; called on a timer, not by scheduling."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, h in self.pending.items() if h.deadline <= now]
+        for request_id in expired:
+            self.release(request_id, "lease expired")
+        return expired
+
+
+@dataclass
+class Receiving:
+    request: Request
+    plan: ReceivePlan
+
+
+@dataclass
+class Quarantine:
+    owner: str
+    release_at: float
+
+
+class DecodeReceives:
+    """Transferred requests this decode engine is receiving."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        cache: HybridCacheManager,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        compatibility_hash: str,
+        failure_policy: str,
+        quarantine_seconds: float = 5.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.compatibility_hash = compatibility_hash
+        self.failure_policy = failure_policy
+        self.quarantine_seconds = quarantine_seconds
+        self.receiving: dict[str, Receiving] = {}
+        self.quarantined: list[Quarantine] = []
+        self._quarantine_ids = 0
+
+    def prepare(self, message: TransferRequest, live_ids: set[str]) -> ReceivePlan:
+        """Validate a transfer and reserve its destination. Raises TransferRejected (and holds
+        nothing) when it cannot be accepted."""
+        request_id = message.request_id
+        if request_id in live_ids or request_id in self.receiving:
+            raise TransferRejected(
+                "duplicate_request", f"request id {request_id!r} is already in use here"
+            )
+        if message.compatibility_hash != self.compatibility_hash:
+            raise TransferRejected(
+                "layout_mismatch",
+                f"request {request_id}: compatibility hash "
+                f"{message.compatibility_hash} does not match this engine's "
+                f"{self.compatibility_hash} (model, dtypes, block size or layer layout differ)",
+            )
+        prompt = message.prompt_token_ids
+        if message.state_pos != len(prompt) or not prompt:
+            raise TransferRejected(
+                "bad_state_pos",
+                f"request {request_id}: state_pos {message.state_pos} must "
+                f"equal the prompt length {len(prompt)}",
+            )
+        if len(prompt) + 1 > self.max_model_len:
+            raise TransferRejected(
+                "too_long",
+                f"request {request_id}: {len(prompt)} prompt "
+                f"tokens leave no room under max_model_len="
+                f"{self.max_model_len}",
+            )
+        bad = next(
+            (
+                t
+                for t in (*prompt, message.first_token)
+                if not isinstance(t, int) or not 0 <= t < self.vocab_size
+            ),
+            None,
+        )
+        if bad is not None:
+            raise TransferRejected(
+                "invalid_request",
+                f"request {request_id}: token id {bad!r} "
+                f"is outside the vocabulary [0, {self.vocab_size})",
+            )
+        expected = block_hashes(prompt, self.cache.block_size, message.cache_salt)
+        if [bytes(k) for k in expected] != [bytes(k) for k in message.block_hashes]:
+            raise TransferRejected(
+                "bad_block_hashes",
+                f"request {request_id}: the block hashes "
+                "do not match the prompt (stale or corrupted transfer)",
+            )
+        try:
+            params = SamplingParams(**message.sampling.params)
+        except ValidationError as exc:
+            raise TransferRejected(
+                "invalid_request", f"request {request_id}: bad sampling parameters: {exc}"
+            ) from exc
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            stop_token_ids=frozenset(message.sampling.stop_token_ids),
+            sample_seed=message.sampling.sample_seed,
+            cache_salt=message.cache_salt,
+        )
+        request.token_ids.append(message.first_token)
+        request.num_cached_tokens = message.num_cached_tokens
+        request.status = RequestStatus.RECEIVING
+        reserved = self.cache.allocate_received(request, message.block_hashes, len(prompt))
+        if reserved is None:
+            raise TransferRejected(
+                "no_capacity",
+                f"request {request_id}: no room for {len(prompt)} tokens right now; retry later",
+            )
+        held, allocation = reserved
+        plan = ReceivePlan(
+            request_id=request_id,
+            held_blocks=held,
+            dst_block_ids=allocation.new_block_ids,
+            dst_slot=allocation.live_slot,
+        )
+        self.receiving[request_id] = Receiving(request, plan)
+        return plan
+
+    def complete(self, request_id: str) -> Request:
+        """The data has fully arrived: the request continues from the state after its prompt."""
+        receiving = self.receiving.pop(request_id, None)
+        if receiving is None:
+            raise TransferRejected(
+                "unknown_request", f"no transfer in progress for request {request_id!r}"
+            )
+        request = receiving.request
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.expect_snapshot_points = self.cache.snapshot_points(request)
+        self.cache.commit(request)  # the received prompt becomes reusable here too
+        self.scheduler.running.append(request)
+        return request
+
+    def fail(self, request_id: str, reason: str, *, writer_done: bool) -> Request | None:
+        """A transfer failed. Its destination pages go to quarantine (released at once when no
+        write can still arrive). Returns the request to recompute or to end with an error."""
+        receiving = self.receiving.pop(request_id, None)
+        if receiving is None:
+            return None
+        self._quarantine_ids += 1
+        owner = f"quarantine-{self._quarantine_ids}:{request_id}"
+        self.cache.rename(request_id, owner)
+        delay = 0.0 if writer_done else self.quarantine_seconds
+        self.quarantined.append(Quarantine(owner, time.monotonic() + delay))
+        self.sweep()
+        request = receiving.request
+        logger.warning(
+            "request %s: transfer failed (%s); policy %s", request_id, reason, self.failure_policy
+        )
+        if self.failure_policy == "recompute":
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.scheduler.waiting.appendleft(request)
+        else:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "error"
+            request.error = f"KV transfer failed: {reason}"
+        return request
+
+    def sweep(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        keep = []
+        for quarantine in self.quarantined:
+            if quarantine.release_at <= now:
+                self.cache.free_owner(quarantine.owner)
+            else:
+                keep.append(quarantine)
+        self.quarantined = keep
+
+
+def peer_layout(model: HybridModelConfig, config: EngineConfig, caches: StateCaches) -> PeerLayout:
+    """This engine's transferable state, as the transceiver describes it to a peer."""
+    attention, mamba = model.attention, model.mamba
+    model_id = hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:16]
+    inner = mamba.intermediate_size if mamba else 0
+    groups = mamba.group_state_size if mamba else 0
+    return PeerLayout(
+        model_id=model_id,
+        tp_size=config.tensor_parallel_size,
+        tp_rank=0,
+        layer_kinds=model.layer_kinds,
+        kv_heads_per_layer=tuple(
+            attention.num_kv_heads if attention and kind == "attention" else 0
+            for kind in model.layer_kinds
+        ),
+        block_size=config.block_size,
+        head_dim=attention.head_dim if attention else 0,
+        kv_dtype=str(caches.kv.dtype) if caches.kv is not None else "none",
+        conv_sections=(inner, groups, groups),
+        conv_width=mamba.conv_kernel - 1 if mamba else 0,
+        conv_dtype=str(caches.conv.dtype) if caches.conv is not None else "none",
+        ssm_heads=mamba.num_heads if mamba else 0,
+        ssm_head_dim=mamba.head_dim if mamba else 0,
+        ssm_state_size=mamba.state_size if mamba else 0,
+        ssm_dtype=str(caches.ssm.dtype) if caches.ssm is not None else "none",
+    )
