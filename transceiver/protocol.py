@@ -75,6 +75,18 @@ class ReceivePlan:
 
 
 @dataclass(frozen=True)
+class DataFrame:
+    """Announces `nbytes` raw bytes that follow: one region (a KV block, or one Mamba slot's
+    conv or SSM state) for the receiver's `dst` block / slot (TCP backend)."""
+
+    request_id: str
+    kind: str  # "kv" | "conv" | "ssm"
+    dst: int
+    nbytes: int
+    type: ClassVar[str] = "data_frame"
+
+
+@dataclass(frozen=True)
 class TransferDone:
     request_id: str
     type: ClassVar[str] = "transfer_done"
@@ -105,6 +117,7 @@ Message = (
     Hello
     | TransferRequest
     | ReceivePlan
+    | DataFrame
     | TransferDone
     | TransferAck
     | TransferAbort
@@ -116,6 +129,7 @@ _TYPES: dict[str, type[Any]] = {
         Hello,
         TransferRequest,
         ReceivePlan,
+        DataFrame,
         TransferDone,
         TransferAck,
         TransferAbort,
@@ -171,6 +185,7 @@ def decode(payload: bytes) -> Message:
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
+    "DataFrame",
     "Hello",
     "Message",
     "ProtocolError",

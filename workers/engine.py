@@ -265,6 +265,13 @@ class Engine:
         assert self.handoffs is not None, "take_handoffs needs role=prefill"
         return self.handoffs.take_new()
 
+    def handoff_source(self, request_id: str) -> tuple[list[int], int] | None:
+        """The KV blocks and live slot a pending handoff reads from; None once released."""
+        assert self.handoffs is not None, "handoff_source needs role=prefill"
+        if request_id not in self.handoffs.pending:
+            return None
+        return self.handoffs.source(request_id)
+
     def release_handoff(self, request_id: str, reason: str) -> bool:
         assert self.handoffs is not None, "release_handoff needs role=prefill"
         released = self.handoffs.release(request_id, reason)

@@ -1,0 +1,99 @@
+"""The backend interface: how one request's regions move from a sender's pools to a receiver's.
+
+A region is one KV block (every attention layer, K and V) or one Mamba slot's conv or SSM state
+(every Mamba layer): one contiguous piece of a pool on each side. Both sides derive the same list
+of `RegionCopy`s from the receive plan, so the receiver knows exactly which bytes to accept and
+where they go; it never takes a destination from the wire.
+
+Backends are chosen by name (`registry.create_backend`); each registers the engine's pools once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from hybridserve.transceiver.channel import Channel
+from hybridserve.transceiver.protocol import ReceivePlan
+
+RegionKind = Literal["kv", "conv", "ssm"]
+
+
+@dataclass(frozen=True)
+class Pools:
+    """An engine's transferable memory (the model runner's state caches)."""
+
+    kv: torch.Tensor | None  # (num_blocks, ...)  one block per index
+    conv: torch.Tensor | None  # (num_slots, ...)   one slot per index
+    ssm: torch.Tensor | None
+
+    def region(self, kind: RegionKind, index: int) -> torch.Tensor:
+        pool = getattr(self, kind)
+        assert pool is not None and pool[index].is_contiguous()
+        return pool[index]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            k: t
+            for k, t in (("kv", self.kv), ("conv", self.conv), ("ssm", self.ssm))
+            if t is not None
+        }
+
+
+@dataclass(frozen=True)
+class RegionCopy:
+    kind: RegionKind
+    src: int  # the sender's block id / slot
+    dst: int  # the receiver's block id / slot
+
+
+def region_copies(
+    pools: Pools, src_blocks: list[int], src_slot: int, plan: ReceivePlan
+) -> list[RegionCopy]:
+    """KV blocks the receiver does not hold yet, then the live Mamba slot (the state after the
+    whole prompt travels last: it only means something with every block in place)."""
+    copies: list[RegionCopy] = []
+    if pools.kv is not None:
+        for src, dst in zip(src_blocks[plan.held_blocks :], plan.dst_block_ids, strict=True):
+            copies.append(RegionCopy("kv", src, dst))
+    for kind in ("conv", "ssm"):
+        if getattr(pools, kind) is not None:
+            copies.append(RegionCopy(kind, src_slot, plan.dst_slot))  # type: ignore[arg-type]
+    return copies
+
+
+class TransferBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, pools: Pools) -> None:
+        self.pools = pools
+
+    def local_info(self) -> bytes:
+        """What a peer needs to reach this engine's memory (sent in the Hello)."""
+        return b""
+
+    def add_peer(self, info: bytes) -> str:
+        """Accept a peer's `local_info`; returns the handle `send` / `receive` use for it."""
+        return ""
+
+    @abstractmethod
+    def send(
+        self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
+    ) -> None:
+        """Sender: move every region; returns once the receiver can read them (raises
+        TransferFailed otherwise)."""
+
+    @abstractmethod
+    def receive(
+        self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
+    ) -> None:
+        """Receiver: return once every region has fully arrived (raises TransferFailed)."""
+
+    def remove_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
+        """Forget a peer (its connection closed). Nothing to do for stateless backends."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release registrations. Nothing to do for stateless backends."""
