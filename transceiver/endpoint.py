@@ -61,6 +61,9 @@ class SendOutcome:
     request_id: str
     status: str  # "acked" | "rejected" | "failed"
     detail: str = ""  # the rejection code or failure reason
+    blocks_sent: int = 0  # KV blocks that crossed the link
+    blocks_held: int = 0  # KV blocks the receiver already had (not sent)
+    bytes_sent: int = 0
 
     @property
     def ok(self) -> bool:
@@ -269,13 +272,16 @@ class TransferSender:
             ack = channel.receive(self.timeout)
             if not isinstance(ack, TransferAck) or ack.request_id != request_id:
                 raise TransferFailed(f"request {request_id}: expected TransferAck, got {ack!r}")
+            sent = sum(1 for c in copies if c.kind == "kv")
+            nbytes = sum(self.backend.pools.region(c.kind, c.src).nbytes for c in copies)
         except TransferFailed as exc:
             with contextlib.suppress(TransferFailed):
                 channel.send(TransferAbort(request_id, str(exc)))
             self.close_link()
             safe = not data_started or self.backend.name == "tcp"
             return self._release(request_id, "failed", str(exc), now=safe)
-        return self._release(request_id, "acked", "", now=True)
+        self._release(request_id, "acked", "", now=True)
+        return SendOutcome(request_id, "acked", "", sent, reply.held_blocks, nbytes)
 
     def _release(self, request_id: str, status: str, detail: str, *, now: bool) -> SendOutcome:
         if now:

@@ -58,16 +58,24 @@ class EngineConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica")
     role: Literal["colocated", "prefill", "decode"] = Field(
-        "colocated", description="prefill: stop after the first token and hand the request off; "
-                                 "decode: continue requests received from a prefill engine")
+        "colocated",
+        description="prefill: stop after the first token and hand the request off; "
+        "decode: continue requests received from a prefill engine",
+    )
     transfer_backend: Literal["tcp", "nixl"] = Field(
-        "tcp", description="how KV blocks and Mamba state move between engines")
+        "tcp", description="how KV blocks and Mamba state move between engines"
+    )
     transfer_lease_seconds: float = Field(
-        60.0, gt=0, description="prefill frees a handed-off request's blocks after this long "
-                                "without an ack or abort")
+        60.0,
+        gt=0,
+        description="prefill frees a handed-off request's blocks after this long "
+        "without an ack or abort",
+    )
     transfer_failure_policy: Literal["recompute", "fail"] = Field(
-        "recompute", description="after a failed transfer, decode recomputes the prompt or "
-                                 "ends the request with an error")
+        "recompute",
+        description="after a failed transfer, decode recomputes the prompt or "
+        "ends the request with an error",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -322,8 +322,9 @@ class HybridCacheManager:
             request.num_prompt_tokens,
         )
 
-    def allocate_received(self, request: Request, block_hashes: list[bytes],
-                          num_tokens: int) -> tuple[int, Allocation] | None:
+    def allocate_received(
+        self, request: Request, block_hashes: list[bytes], num_tokens: int
+    ) -> tuple[int, Allocation] | None:
         """Destination for a transferred request (decode side): share the leading full blocks
         this engine already caches (by key), allocate the rest for `num_tokens` tokens and a
         live slot. Returns (number of blocks held already, allocation), or None if short."""
