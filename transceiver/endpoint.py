@@ -189,7 +189,11 @@ class TransferReceiver:
                 )
             raise
         with self.lock:
-            self.engine.complete_receive(request_id)
+            try:
+                self.engine.complete_receive(request_id)
+            except ValueError as exc:  # aborted here while its data was arriving
+                channel.send(TransferError(request_id, getattr(exc, "code", "rejected"), str(exc)))
+                return
         channel.send(TransferAck(request_id))
 
     def close(self) -> None:

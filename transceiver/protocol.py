@@ -158,14 +158,16 @@ def from_dict(data: Any) -> Message:
     expected = {f.name for f in fields(cls)}
     if set(values) != expected:
         raise ProtocolError(f"{cls.type}: expected fields {sorted(expected)}, got {sorted(values)}")
-    if cls is Hello:
-        values["layout"] = PeerLayout.from_dict(values["layout"])
-    if cls is TransferRequest:
-        values["sampling"] = SamplingState(**values["sampling"])
     try:
+        # NOTE: nested objects are checked here too: a malformed one is the peer's error, so it
+        # must surface as a ProtocolError, never as a KeyError / TypeError from our own code.
+        if cls is Hello:
+            values["layout"] = PeerLayout.from_dict(values["layout"])
+        if cls is TransferRequest:
+            values["sampling"] = SamplingState(**values["sampling"])
         return cls(**values)
-    except TypeError as exc:
-        raise ProtocolError(f"{cls.type}: {exc}") from exc
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ProtocolError(f"{cls.type}: malformed ({type(exc).__name__}: {exc})") from exc
 
 
 def encode(message: Message) -> bytes:

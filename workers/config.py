@@ -44,6 +44,12 @@ class EngineConfig(BaseModel):
     mamba_save_last_snapshot: bool = Field(
         True, description="snapshot at the prompt end (and a chat prompt's stable boundary)"
     )
+    mamba_snapshot_turn_end: bool = Field(
+        False,
+        description="when a request finishes, cache its prompt + output and a snapshot of the "
+        "state after them (the next turn of a conversation resumes there); it replaces a "
+        "prompt-end snapshot in the same block; the service turns it on for decode engines",
+    )
     mamba_snapshot_offsets_from_start: tuple[int, ...] = Field(
         (), description="extra snapshot positions counted from the prompt start"
     )

@@ -223,10 +223,21 @@ class DecodeReceives:
             )
         try:
             params = SamplingParams(**message.sampling.params)
-        except ValidationError as exc:
+        except (ValidationError, TypeError) as exc:
             raise TransferRejected(
                 "invalid_request", f"request {request_id}: bad sampling parameters: {exc}"
             ) from exc
+        seed, stop_ids = message.sampling.sample_seed, message.sampling.stop_token_ids
+        if not (
+            isinstance(stop_ids, list)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in [seed, *stop_ids])
+        ):
+            # NOTE: the sampler would raise on them mid-step, taking every request down.
+            raise TransferRejected(
+                "invalid_request",
+                f"request {request_id}: sample_seed and stop_token_ids must be integers, got "
+                f"{seed!r} and {stop_ids!r}",
+            )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),

@@ -60,6 +60,7 @@ class Engine:
             offsets_from_start=config.mamba_snapshot_offsets_from_start,
             offsets_from_end=config.mamba_snapshot_offsets_from_end,
             requires_snapshot=self.model_config.num_mamba_layers > 0,
+            snapshot_turn_end=config.mamba_snapshot_turn_end,
         )
         self.cache = HybridCacheManager(
             num_blocks=self.runner.num_kv_blocks,
@@ -108,6 +109,9 @@ class Engine:
             else None
         )
         self._requests: dict[str, Request] = {}
+        # Requests ended outside `step` (a failed receive under policy "fail"): their final
+        # outputs go out with the next step, so the stream ends with a typed error.
+        self._ended: list[RequestOutput] = []
         self._prompt_logits: dict[str, list[torch.Tensor]] = {}
         self._num_prompt_tokens: dict[str, int] = {}
         self._ids = itertools.count()
@@ -218,27 +222,31 @@ class Engine:
         return request.to_output()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ended)
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns an output for every request that got a token."""
+        # NOTE: first, and on idle steps too: expired leases and quarantines must free their
+        # pages whether or not anything can be scheduled (spec A1, TRT-LLM #12313).
+        self._sweep_transfers()
+        ended, self._ended = self._ended, []
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not self.has_pending_transfers():
                 raise RuntimeError(
                     "no request could be scheduled: the caches cannot hold even "
                     "one request; this is a sizing bug"
                 )
-            return []
+            return ended  # otherwise waiting for transfers to release their pages
         for request in out.preempted:  # recomputed from scratch: collected logits start over
             if request.request_id in self._prompt_logits:
                 self._prompt_logits[request.request_id] = []
         result = self.runner.execute(out, self.cache)
         for request_id, logits in result.chunk_logits.items():
             self._prompt_logits[request_id].append(logits)
-        outputs = []
+        outputs = ended
         for request in self.scheduler.update(out, result.sampled):
             output = request.to_output()
             if request.is_finished:
@@ -295,12 +303,13 @@ class Engine:
         self, request_id: str, reason: str, *, writer_done: bool
     ) -> RequestOutput | None:
         """A transfer into this engine failed: recompute it here, or end it with an error
-        (returned) per `transfer_failure_policy`."""
+        (returned, and delivered by the next `step`) per `transfer_failure_policy`."""
         assert self.receives is not None, "fail_receive needs role=decode"
         request = self.receives.fail(request_id, reason, writer_done=writer_done)
         if request is None or not request.is_finished:
             return None
         self._requests.pop(request_id, None)
+        self._ended.append(request.to_output())
         return request.to_output()
 
     def _sweep_transfers(self) -> None:

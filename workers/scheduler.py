@@ -185,6 +185,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        if reason in ("stop", "length"):
+            self.cache.commit_turn_end(request)
         self.cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.models.tiny import tiny_tokenizer_backend
 from hybridserve.workers.tokenizer import Tokenizer
@@ -47,8 +49,9 @@ def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
     assert chat.stable_len is None and chat.token_ids
 
 
-def test_second_turn_resumes_at_the_first_turn_prompt_end():
-    llm = LLM("tiny", mamba_snapshot_interval=0)
+@pytest.mark.parametrize("turn_end", [False, True], ids=["prompt-end", "turn-end"])
+def test_second_turn_resumes_at_the_first_turn_end(turn_end):
+    llm = LLM("tiny", mamba_snapshot_interval=0, mamba_snapshot_turn_end=turn_end)
     (first,) = llm.chat(CONVERSATION, GREEDY)
     assert first.num_cached_tokens == 0
     follow_up = [
@@ -57,7 +60,11 @@ def test_second_turn_resumes_at_the_first_turn_prompt_end():
         {"role": "user", "content": "and again"},
     ]
     (second,) = llm.chat(follow_up, GREEDY)
-    assert second.num_cached_tokens == len(first.prompt_token_ids)
+    # The answer is ASCII, so the template renders it back to the same tokens. The turn-end
+    # snapshot holds the state after all of them but the last sampled one (never fed back).
+    assert first.text.isascii() and first.finish_reason == "length"
+    resume = len(first.prompt_token_ids) + (len(first.token_ids) - 1 if turn_end else 0)
+    assert second.num_cached_tokens == resume
     plain = LLM("tiny", enable_prefix_caching=False)
     assert second.token_ids == plain.chat(follow_up, GREEDY)[0].token_ids
     # The stable boundary (without "<|im_start|>assistant\n") was snapshotted too.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
-EVENTS_VERSION = 1
+EVENTS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,16 @@ class BlockRemoved:
 @dataclass(frozen=True)
 class SnapshotStored:
     """A Mamba snapshot of the state after `coverage` tokens of this block now exists
-    (absolute position = block ordinal * block_size + coverage)."""
+    (absolute position = block ordinal * block_size + coverage).
+
+    `prefix_hash` keys the tokens the snapshot consumed in this block: the chain hash of the
+    block's first `coverage` tokens under its parent. None when that is the whole block
+    (`block_hash` itself); set only when a longer block adopted a shorter sibling's snapshot.
+    An index matches a lookup against it without seeing any token."""
 
     block_hash: bytes
     coverage: int
+    prefix_hash: bytes | None = None
     kind: ClassVar[str] = "snapshot_stored"
 
 

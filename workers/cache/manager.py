@@ -29,6 +29,7 @@ from hybridserve.workers.cache.events import (
     SnapshotRemoved,
     SnapshotStored,
 )
+from hybridserve.workers.cache.hashing import block_hash
 from hybridserve.workers.cache.host_tier import HostTier
 from hybridserve.workers.cache.mamba import MambaStateManager
 from hybridserve.workers.cache.ops import CacheOpExecutor
@@ -48,6 +49,9 @@ class PrefixCachingConfig:
     offsets_from_end: tuple[int, ...] = ()
     # False for a model without Mamba layers: any attention match is then reusable.
     requires_snapshot: bool = True
+    # Publish a finished request's prompt + output and the state after them (the next turn
+    # of a conversation extends exactly that sequence).
+    snapshot_turn_end: bool = False
 
 
 @dataclass
@@ -377,6 +381,21 @@ class HybridCacheManager:
         if position in points and end > state.num_committed_tokens:
             self._commit_range(request, state, end)
 
+    def commit_turn_end(self, request: Request) -> None:
+        """A request finished: publish every token the model consumed and the live state
+        after them, so the conversation's next turn resumes here.
+
+            token_ids: | prompt ............ | output ......... |
+            consumed:  | ................................. | last |   the last sampled
+                                                           ^ snapshot   token never ran
+        """
+        if not (self.prefix.enabled and self.prefix.snapshot_turn_end):
+            return
+        state = self._requests.get(request.request_id)
+        end = request.num_computed_tokens
+        if state is not None and end > state.num_committed_tokens:
+            self._commit_range(request, state, end)
+
     def _commit_range(self, request: Request, state: _RequestCache, end: int) -> None:
         bs = self.block_size
         table = self.blocks.block_table(request.request_id)
@@ -429,7 +448,7 @@ class HybridCacheManager:
                     self._drop_snapshot(node.snapshot)
                 sibling.snapshot, node.snapshot, adopted.node = None, adopted, node
                 self._events.append(SnapshotRemoved(sibling.key, adopted.coverage))
-                self._events.append(SnapshotStored(node.key, adopted.coverage))
+                self._events.append(_snapshot_stored(node, adopted.coverage))
             self._remove_subtree(sibling)
         return node
 
@@ -463,7 +482,7 @@ class HybridCacheManager:
         snapshot = Snapshot(node, coverage)
         self.states.snapshots.attach(snapshot, slot)
         node.snapshot = snapshot
-        self._events.append(SnapshotStored(node.key, coverage))
+        self._events.append(_snapshot_stored(node, coverage))
 
     # ---- release --------------------------------------------------------------------------
 
@@ -632,3 +651,12 @@ class HybridCacheManager:
                     problems.append(f"request {request_id} block {index} is not its path node's")
         if problems:
             raise RuntimeError("prefix cache integrity check failed: " + "; ".join(problems[:5]))
+
+
+def _snapshot_stored(node: TreeNode, coverage: int) -> SnapshotStored:
+    if coverage == node.num_tokens:
+        return SnapshotStored(node.key, coverage)
+    assert node.parent is not None
+    return SnapshotStored(
+        node.key, coverage, block_hash(node.parent.key, node.token_ids[:coverage])
+    )

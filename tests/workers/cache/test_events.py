@@ -23,12 +23,13 @@ KEY = block_hash(ROOT, [1, 2, 3, 4])
 EVENTS = [
     BlockStored(KEY, ROOT, 4),
     BlockRemoved(KEY),
-    SnapshotStored(KEY, 3),
+    SnapshotStored(KEY, 4),
+    SnapshotStored(KEY, 3, block_hash(ROOT, [1, 2, 3])),
     SnapshotRemoved(KEY, 3),
 ]
 
 
-@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.kind)
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: f"{e.kind}-{EVENTS.index(e)}")
 def test_every_event_round_trips_through_msgpack(event):
     data = event_to_dict(event)
     assert (data["v"], data["kind"]) == (EVENTS_VERSION, event.kind)
@@ -39,35 +40,35 @@ def test_every_event_round_trips_through_msgpack(event):
 
 def test_wire_form_of_a_stored_block():
     assert event_to_dict(BlockStored(KEY, ROOT, 4)) == {
-        "v": 1,
+        "v": 2,
         "kind": "block_stored",
         "block_hash": KEY,
         "parent_hash": ROOT,
         "num_tokens": 4,
     }
     assert event_to_dict(SnapshotRemoved(KEY, 3)) == {
-        "v": 1,
+        "v": 2,
         "kind": "snapshot_removed",
         "block_hash": KEY,
         "coverage": 3,
     }
 
 
-GOOD = {"v": 1, "kind": "snapshot_stored", "block_hash": KEY, "coverage": 3}
+GOOD = {"v": 2, "kind": "snapshot_stored", "block_hash": KEY, "coverage": 3}
 
 
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (GOOD | {"v": 2}, "cache event version 2 is not 1"),
-        (GOOD | {"v": "1"}, "cache event version '1' is not 1"),
-        ({k: v for k, v in GOOD.items() if k != "v"}, "cache event version None is not 1"),
+        (GOOD | {"v": 1}, "cache event version 1 is not 2"),
+        (GOOD | {"v": "2"}, "cache event version '2' is not 2"),
+        ({k: v for k, v in GOOD.items() if k != "v"}, "cache event version None is not 2"),
         (GOOD | {"kind": "block_evicted"}, "malformed cache event"),
         ({k: v for k, v in GOOD.items() if k != "kind"}, "malformed cache event"),
         ({k: v for k, v in GOOD.items() if k != "coverage"}, "malformed cache event"),
         (GOOD | {"num_tokens": 3}, "malformed cache event"),
     ],
-    ids=["newer", "string", "no-version", "kind", "no-kind", "missing", "extra"],
+    ids=["older", "string", "no-version", "kind", "no-kind", "missing", "extra"],
 )
 def test_a_wrong_version_or_shape_is_rejected(data, message):
     with pytest.raises(ValueError, match=message):

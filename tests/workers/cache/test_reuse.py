@@ -245,7 +245,7 @@ def test_same_block_commits_replace_the_shorter_node_and_its_snapshot():
     assert cache.take_events() == [
         BlockStored(k20, root_hash(None), 20),
         SnapshotRemoved(k10, 10),
-        SnapshotStored(k20, 10),
+        SnapshotStored(k20, 10, k10),  # the adopted snapshot still keys the first 10 tokens
         BlockRemoved(k10),
         SnapshotRemoved(k20, 10),
         SnapshotStored(k20, 20),
@@ -311,7 +311,7 @@ def test_a_shorter_endpoint_survives_when_a_later_turn_fills_its_block():
     assert cache.take_events() == [
         BlockStored(k1, k0, 32),
         SnapshotRemoved(k1_partial, 16),
-        SnapshotStored(k1, 16),  # adopted: the endpoint at 48 stays reusable
+        SnapshotStored(k1, 16, k1_partial),  # adopted: the endpoint at 48 stays reusable
         BlockRemoved(k1_partial),
         BlockStored(k2, k1, 32),
         SnapshotStored(k2, 32),

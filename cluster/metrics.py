@@ -1,0 +1,245 @@
+"""Prometheus metrics for GET /metrics: vLLM's names (spec B5) under the `hybridserve:` prefix.
+
+Values come from three places:
+
+- the ingress, once per finished request (`ServiceMetrics.observe_request`): token counters,
+  prefix-cache queries and hits (token units), `request_success{finished_reason}` and the
+  latency and length histograms; labels `model_name`.
+- the engines, as a periodic report (`ServiceMetrics.update_engines`, one `EngineStats` per
+  engine): their gauges and their cumulative counters, exported at scrape time exactly as last
+  reported; labels `model_name`, `engine`.
+- the global prefix index (`ServiceMetrics.set_prefix_index`): its size; labels `model_name`.
+
+Everything lives on a private `CollectorRegistry`, so several services (or tests) in one process
+never share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+
+from hybridserve.workers.outputs import FinishReason
+
+PREFIX = "hybridserve:"
+# NOTE: the classic text format, which every Prometheus parses; our names need no escaping, so
+# the body is the same one newer clients label `version=1.0.0`.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets as vLLM's (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+_FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's `build_1_2_5_buckets`)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineStats(BaseModel):
+    """One engine's report, as a plain dict: `EngineStats.model_validate(engine.stats())`.
+
+    Gauges are the engine's state now; the rest are cumulative totals since the engine started
+    (a restart starts them over, which Prometheus' `rate()` reads as a counter reset). Fields a
+    newer engine adds are ignored; fields it lacks read 0.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # Gauges.
+    num_requests_running: int = Field(0, ge=0)
+    num_requests_waiting: int = Field(0, ge=0)
+    kv_cache_usage_perc: float = Field(0.0, ge=0.0, le=1.0, description="1.0 = 100%")
+    # Cumulative totals.
+    num_preemptions: int = Field(0, ge=0)
+    snapshot_hits: int = Field(0, ge=0, description="Mamba snapshots found for a prefix hit")
+    snapshot_misses: int = Field(0, ge=0, description="prefix lookups with no usable snapshot")
+    reused_tokens: int = Field(0, ge=0, description="prompt tokens not recomputed")
+    transfer_bytes: int = Field(0, ge=0, description="KV + Mamba state bytes moved")
+    transfer_failures: dict[str, int] = Field(default_factory=dict, description="by reason")
+
+
+_ENGINE_GAUGES = {
+    "num_requests_running": "Requests in the engine's running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1.0 = 100%).",
+}
+_ENGINE_COUNTERS = {
+    "num_preemptions": "Requests preempted by the scheduler.",
+    "snapshot_hits": "Prefix hits that found a Mamba state snapshot.",
+    "snapshot_misses": "Prefix lookups that found no usable Mamba state snapshot.",
+    "reused_tokens": "Prompt tokens reused instead of recomputed.",
+    "transfer_bytes": "Bytes of KV and Mamba state transferred.",
+}
+
+
+class _EngineCollector(Collector):
+    """Exports the latest engine reports at scrape time (counters are totals, not increments)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.engines: Mapping[str, EngineStats] = {}  # replaced whole, never mutated
+
+    def collect(self) -> Iterator[Metric]:
+        engines = self.engines  # one consistent report per scrape
+        labels = ["model_name", "engine"]
+        for name, doc in _ENGINE_GAUGES.items():
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for engine, stats in engines.items():
+                gauge.add_metric([self.model_name, engine], getattr(stats, name))
+            yield gauge
+        for name, doc in _ENGINE_COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for engine, stats in engines.items():
+                counter.add_metric([self.model_name, engine], getattr(stats, name))
+            yield counter
+        failures = CounterMetricFamily(
+            PREFIX + "transfer_failures", "Failed transfers, by reason.", labels=[*labels, "reason"]
+        )
+        for engine, stats in engines.items():
+            for reason, count in sorted(stats.transfer_failures.items()):
+                failures.add_metric([self.model_name, engine, reason], count)
+        yield failures
+
+
+class ServiceMetrics:
+    """The service's metrics on a private registry; `render()` is the GET /metrics body."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        self._engines = _EngineCollector(model_name)
+        self.registry.register(self._engines)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets
+            )
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
+
+        model = {"model_name": model_name}
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self._generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self._prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._ttft = histogram(
+            "time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS
+        )
+        self._itl = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS
+        )
+        length_buckets = token_buckets(max_model_len)
+        self._request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length per request.", length_buckets
+        )
+        self._request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", length_buckets
+        )
+        self._index_blocks = gauge("prefix_index_blocks", "Blocks in the global prefix index.")
+        self._index_snapshots = gauge(
+            "prefix_index_snapshots", "Mamba snapshots in the global prefix index."
+        )
+        # Bind the label values once; series exist (at 0) from the first scrape, as in vLLM.
+        for metric in (
+            self._prompt_tokens,
+            self._generation_tokens,
+            self._prefix_cache_queries,
+            self._prefix_cache_hits,
+            self._ttft,
+            self._itl,
+            self._e2e,
+            self._request_prompt_tokens,
+            self._request_generation_tokens,
+            self._index_blocks,
+            self._index_snapshots,
+        ):
+            metric.labels(**model)
+        for reason in _FINISH_REASONS:
+            self._request_success.labels(model_name=model_name, finished_reason=reason)
+        self._model = model
+
+    def observe_request(
+        self,
+        *,
+        prompt_tokens: int,
+        generation_tokens: int,
+        cached_tokens: int,
+        finish_reason: FinishReason,
+        e2e_s: float,
+        ttft_s: float | None = None,
+        itl_s: Sequence[float] = (),
+    ) -> None:
+        """Record one finished request. `ttft_s` is None when no token came back; `itl_s` holds
+        the gaps between consecutive streamed tokens."""
+        assert 0 <= cached_tokens <= prompt_tokens, (cached_tokens, prompt_tokens)
+        model = self._model
+        self._prompt_tokens.labels(**model).inc(prompt_tokens)
+        self._generation_tokens.labels(**model).inc(generation_tokens)
+        self._prefix_cache_queries.labels(**model).inc(prompt_tokens)
+        self._prefix_cache_hits.labels(**model).inc(cached_tokens)
+        self._request_success.labels(**model, finished_reason=finish_reason).inc()
+        self._request_prompt_tokens.labels(**model).observe(prompt_tokens)
+        self._request_generation_tokens.labels(**model).observe(generation_tokens)
+        self._e2e.labels(**model).observe(e2e_s)
+        if ttft_s is not None:
+            self._ttft.labels(**model).observe(ttft_s)
+        itl = self._itl.labels(**model)
+        for gap in itl_s:
+            itl.observe(gap)
+
+    def update_engines(self, stats: Mapping[str, EngineStats | Mapping[str, object]]) -> None:
+        """Replace all engine reports: engine name -> `EngineStats` (or its plain dict).
+
+        Engines missing from `stats` drop out of the next scrape. Raises pydantic's
+        `ValidationError` for a malformed report, before anything changes.
+        """
+        self._engines.engines = {
+            engine: EngineStats.model_validate(report) for engine, report in stats.items()
+        }
+
+    def set_prefix_index(self, num_blocks: int, num_snapshots: int) -> None:
+        self._index_blocks.labels(**self._model).set(num_blocks)
+        self._index_snapshots.labels(**self._model).set(num_snapshots)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE

@@ -1,0 +1,157 @@
+"""GET /metrics: names, labels and values after observations, parsed as Prometheus reads them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from hybridserve.cluster.metrics import EngineStats, ServiceMetrics, token_buckets
+
+
+def scrape(metrics: ServiceMetrics) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of one scrape."""
+    body, content_type = metrics.render()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def labels(**values: str) -> frozenset:
+    return frozenset({"model_name": "tiny", **values}.items())
+
+
+def test_series_exist_at_zero_before_any_request():
+    samples = scrape(ServiceMetrics("tiny", max_model_len=64))
+    for name in (
+        "hybridserve:prompt_tokens_total",
+        "hybridserve:generation_tokens_total",
+        "hybridserve:prefix_cache_queries_total",
+        "hybridserve:prefix_cache_hits_total",
+        "hybridserve:time_to_first_token_seconds_count",
+        "hybridserve:inter_token_latency_seconds_count",
+        "hybridserve:e2e_request_latency_seconds_count",
+        "hybridserve:request_prompt_tokens_count",
+        "hybridserve:request_generation_tokens_count",
+        "hybridserve:prefix_index_blocks",
+        "hybridserve:prefix_index_snapshots",
+    ):
+        assert samples[(name, labels())] == 0.0, name
+    for reason in ("stop", "length", "abort", "error"):
+        key = ("hybridserve:request_success_total", labels(finished_reason=reason))
+        assert samples[key] == 0.0
+
+
+def test_observe_request():
+    metrics = ServiceMetrics("tiny", max_model_len=64)
+    metrics.observe_request(
+        prompt_tokens=10,
+        generation_tokens=4,
+        cached_tokens=8,
+        finish_reason="stop",
+        e2e_s=0.7,
+        ttft_s=0.05,
+        itl_s=[0.02, 0.03, 0.2],
+    )
+    metrics.observe_request(
+        prompt_tokens=30, generation_tokens=0, cached_tokens=0, finish_reason="error", e2e_s=0.1
+    )
+    samples = scrape(metrics)
+    expected = {
+        "hybridserve:prompt_tokens_total": 40,
+        "hybridserve:generation_tokens_total": 4,
+        "hybridserve:prefix_cache_queries_total": 40,
+        "hybridserve:prefix_cache_hits_total": 8,
+        "hybridserve:time_to_first_token_seconds_count": 1,
+        "hybridserve:time_to_first_token_seconds_sum": 0.05,
+        "hybridserve:inter_token_latency_seconds_count": 3,
+        "hybridserve:inter_token_latency_seconds_sum": 0.25,
+        "hybridserve:e2e_request_latency_seconds_count": 2,
+        "hybridserve:e2e_request_latency_seconds_sum": 0.8,
+        "hybridserve:request_prompt_tokens_sum": 40,
+        "hybridserve:request_generation_tokens_sum": 4,
+    }
+    for name, value in expected.items():
+        assert samples[(name, labels())] == pytest.approx(value), name
+    success = "hybridserve:request_success_total"
+    assert samples[(success, labels(finished_reason="stop"))] == 1
+    assert samples[(success, labels(finished_reason="error"))] == 1
+    assert samples[(success, labels(finished_reason="length"))] == 0
+    # Buckets are cumulative: 0.02 and 0.03 fall at or under 0.05, 0.2 does not.
+    itl_bucket = "hybridserve:inter_token_latency_seconds_bucket"
+    assert samples[(itl_bucket, labels(le="0.05"))] == 2
+    assert samples[(itl_bucket, labels(le="0.2"))] == 3
+    prompt_bucket = "hybridserve:request_prompt_tokens_bucket"
+    assert samples[(prompt_bucket, labels(le="10.0"))] == 1
+    assert samples[(prompt_bucket, labels(le="50.0"))] == 2
+
+
+def test_engine_reports_are_exported_as_last_reported():
+    metrics = ServiceMetrics("tiny", max_model_len=64)
+    metrics.update_engines(
+        {
+            "prefill-0": {
+                "num_requests_running": 3,
+                "num_requests_waiting": 1,
+                "kv_cache_usage_perc": 0.25,
+                "num_preemptions": 2,
+                "snapshot_hits": 7,
+                "snapshot_misses": 1,
+                "reused_tokens": 512,
+                "transfer_bytes": 4096,
+                "transfer_failures": {"timeout": 2, "peer_died": 1},
+                "added_by_a_newer_engine": 1,
+            },
+            "decode-0": EngineStats(num_requests_running=5),
+        }
+    )
+    metrics.set_prefix_index(num_blocks=12, num_snapshots=3)
+    samples = scrape(metrics)
+    prefill, decode = labels(engine="prefill-0"), labels(engine="decode-0")
+    assert samples[("hybridserve:num_requests_running", prefill)] == 3
+    assert samples[("hybridserve:num_requests_running", decode)] == 5
+    assert samples[("hybridserve:num_requests_waiting", prefill)] == 1
+    assert samples[("hybridserve:kv_cache_usage_perc", prefill)] == 0.25
+    assert samples[("hybridserve:num_preemptions_total", prefill)] == 2
+    assert samples[("hybridserve:snapshot_hits_total", prefill)] == 7
+    assert samples[("hybridserve:snapshot_misses_total", prefill)] == 1
+    assert samples[("hybridserve:reused_tokens_total", prefill)] == 512
+    assert samples[("hybridserve:transfer_bytes_total", prefill)] == 4096
+    assert samples[("hybridserve:transfer_bytes_total", decode)] == 0
+    failures = "hybridserve:transfer_failures_total"
+    assert samples[(failures, labels(engine="prefill-0", reason="timeout"))] == 2
+    assert samples[(failures, labels(engine="prefill-0", reason="peer_died"))] == 1
+    assert samples[("hybridserve:prefix_index_blocks", labels())] == 12
+    assert samples[("hybridserve:prefix_index_snapshots", labels())] == 3
+
+    # Totals are replaced, not added; an engine that stops reporting drops out.
+    metrics.update_engines({"prefill-0": {"snapshot_hits": 9}})
+    samples = scrape(metrics)
+    assert samples[("hybridserve:snapshot_hits_total", prefill)] == 9
+    assert ("hybridserve:num_requests_running", decode) not in samples
+
+
+def test_malformed_engine_report_changes_nothing():
+    metrics = ServiceMetrics("tiny", max_model_len=64)
+    metrics.update_engines({"e0": {"num_requests_running": 1}})
+    with pytest.raises(ValidationError):
+        metrics.update_engines(
+            {"e0": {"num_requests_running": 2}, "e1": {"kv_cache_usage_perc": 2}}
+        )
+    assert scrape(metrics)[("hybridserve:num_requests_running", labels(engine="e0"))] == 1
+
+
+def test_registries_are_private():
+    first, second = ServiceMetrics("tiny", 64), ServiceMetrics("tiny", 64)
+    first.observe_request(
+        prompt_tokens=3, generation_tokens=1, cached_tokens=0, finish_reason="length", e2e_s=1.0
+    )
+    assert scrape(second)[("hybridserve:prompt_tokens_total", labels())] == 0
+
+
+def test_token_buckets():
+    assert token_buckets(64) == (1, 2, 5, 10, 20, 50)
+    assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)

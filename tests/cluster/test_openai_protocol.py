@@ -1,0 +1,525 @@
+"""The OpenAI contract: request parsing and errors, sampling limits, stop strings, bodies, salts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import ValidationError
+
+from hybridserve.cluster.openai_protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    ResponseMeta,
+    StopMatch,
+    StopStringMatcher,
+    Usage,
+    derive_cache_salt,
+    model_not_found,
+    models_list,
+    response_body,
+    sse_error,
+    sse_event,
+    stream_chunk,
+    usage_chunk,
+    validation_error,
+)
+from hybridserve.workers.sampling_params import SamplingParams
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def parse_error(cls, body) -> OpenAIError:
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(body)
+    return validation_error(info.value)
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hello", "hello"), ([1, 2], [1, 2]), (["hello"], "hello"), ([[1, 2]], [1, 2])],
+)
+def test_completion_prompt_forms(prompt, expected):
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompt == expected
+
+
+def test_defaults_and_ignored_fields():
+    request = CompletionRequest.model_validate(
+        {"prompt": "a", "logprobs": None, "presence_penalty": 0.5, "stop": None, "n": None}
+    )
+    assert request.max_tokens == 16
+    assert (request.n, request.stop, request.stream, request.include_usage) == (1, [], False, False)
+    chat = ChatCompletionRequest.model_validate({"messages": USER, "frequency_penalty": 1})
+    assert (chat.model, chat.max_tokens, chat.max_completion_tokens) == (None, None, None)
+
+
+def test_stop_forms_and_top_k_disable():
+    request = CompletionRequest.model_validate({"prompt": "a", "stop": "\n", "top_k": -1})
+    assert (request.stop, request.top_k) == (["\n"], None)
+    assert CompletionRequest.model_validate({"prompt": "a", "top_k": 0}).top_k is None
+
+
+def test_include_usage_needs_stream():
+    body = {"prompt": "a", "stream_options": {"include_usage": True}}
+    assert not CompletionRequest.model_validate(body).include_usage
+    assert CompletionRequest.model_validate({**body, "stream": True}).include_usage
+
+
+def test_chat_content_parts_join_with_newlines():
+    content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [
+        {"role": "system", "content": "be brief", "name": "ignored"},
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": None},
+    ]
+    request = ChatCompletionRequest.model_validate({"messages": messages})
+    assert request.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "param", "message"),
+    [
+        (CompletionRequest, {"prompt": "a", "max_tokens": -3}, "max_tokens",
+         "max_tokens must be at least 1, got -3."),
+        (ChatCompletionRequest, {"messages": USER, "max_completion_tokens": 0},
+         "max_completion_tokens", "max_completion_tokens must be at least 1, got 0."),
+        (CompletionRequest, {"prompt": "a", "n": 2}, "n",
+         "n>1 is not supported; send one request per choice."),
+        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt",
+         "prompt holds 2 prompts, but batched prompts are not supported; send one prompt per "
+         "request."),
+        (CompletionRequest, {"prompt": [[1], [2]]}, "prompt",
+         "prompt holds 2 prompts, but batched prompts are not supported; send one prompt per "
+         "request."),
+        (CompletionRequest, {"prompt": []}, "prompt", "prompt must not be an empty list."),
+        (CompletionRequest, {"prompt": [1, True]}, "prompt",
+         "prompt token ids must be integers, got True at position 1."),
+        (CompletionRequest, {"prompt": 5}, "prompt",
+         "prompt must be a string or a list of token ids."),
+        (CompletionRequest, {}, "prompt", "prompt: Field required"),
+        (CompletionRequest, {"prompt": "a", "temperature": -0.5}, "temperature",
+         "temperature: Input should be greater than or equal to 0"),
+        (CompletionRequest, {"prompt": "a", "temperature": "0.5"}, "temperature",
+         "temperature: Input should be a valid number"),
+        (CompletionRequest, {"prompt": "a", "top_p": 0}, "top_p",
+         "top_p: Input should be greater than 0"),
+        (CompletionRequest, {"prompt": "a", "top_k": -2}, "top_k",
+         "top_k must be -1 or 0 (no filter) or at least 1, got -2."),
+        (CompletionRequest, {"prompt": "a", "min_tokens": -1}, "min_tokens",
+         "min_tokens: Input should be greater than or equal to 0"),
+        (CompletionRequest, {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop",
+         "stop accepts at most 4 sequences, got 5."),
+        (CompletionRequest, {"prompt": "a", "stop": ["a", 3]}, "stop[1]",
+         "stop[1]: Input should be a valid string"),
+        (CompletionRequest, {"prompt": "a", "stop": [""]}, "stop",
+         "stop sequences must not be empty strings."),
+        (CompletionRequest, {"prompt": "a", "stream": "yes"}, "stream",
+         "stream: Input should be a valid boolean"),
+        (CompletionRequest, {"prompt": "a", "cache_salt": ""}, "cache_salt",
+         "Parameter 'cache_salt' must be a non-empty string if provided."),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids[1]",
+         "stop_token_ids[1]: Input should be a valid integer"),
+        (ChatCompletionRequest, {"messages": []}, "messages",
+         "messages: List should have at least 1 item after validation, not 0"),
+        (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]},
+         "messages[0].role",
+         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'"),
+        (ChatCompletionRequest,
+         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content",
+         "content part 0 has type 'image_url', but only text parts ({'type': 'text', 'text': "
+         "...}) are supported."),
+    ],
+)  # fmt: skip
+def test_invalid_requests_are_400_naming_the_field(cls, body, param, message):
+    error = parse_error(cls, body)
+    assert (error.status, error.param, error.message) == (400, param, message)
+    assert error.body() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    }
+
+
+def test_body_that_is_not_an_object():
+    error = parse_error(CompletionRequest, [1])
+    assert error.param is None
+    assert error.message == "Input should be a valid dictionary or instance of CompletionRequest"
+
+
+# -- sampling parameters ------------------------------------------------------------------------
+
+
+def test_to_sampling_params_maps_every_field():
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": [1, 2, 3],
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 11,
+            "stop_token_ids": [0, 99],
+            "ignore_eos": True,
+            "min_tokens": 2,
+        }
+    )
+    assert request.to_sampling_params(vocab_size=100, max_model_len=64, prompt_len=3) == (
+        SamplingParams(
+            max_tokens=7,
+            temperature=0.0,
+            top_p=0.9,
+            top_k=5,
+            seed=11,
+            stop_token_ids=(0, 99),
+            ignore_eos=True,
+            min_tokens=2,
+        )
+    )
+    defaults = CompletionRequest.model_validate({"prompt": "a"})
+    assert defaults.to_sampling_params(100, 64, 1) == SamplingParams(max_tokens=16)
+
+
+def test_chat_max_tokens_names_and_default():
+    def max_tokens(body, prompt_len=10):
+        request = ChatCompletionRequest.model_validate({"messages": USER, **body})
+        return request.to_sampling_params(100, 64, prompt_len).max_tokens
+
+    assert max_tokens({}) == 54  # max_model_len - prompt_len
+    assert max_tokens({}, prompt_len=63) == 1
+    assert max_tokens({"max_tokens": 5}) == 5
+    assert max_tokens({"max_completion_tokens": 6, "max_tokens": 5}) == 6
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "prompt_len", "message"),
+    [
+        (CompletionRequest, {"prompt": "a", "max_tokens": 20}, 50,
+         "This model's maximum context length is 64 tokens. However, you requested 70 tokens "
+         "(50 in the messages, 20 in the completion). Please reduce the length of the messages "
+         "or completion."),
+        (ChatCompletionRequest, {"messages": USER}, 64,
+         "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
+         "(64 in the messages, 1 in the completion). Please reduce the length of the messages "
+         "or completion."),
+        (ChatCompletionRequest, {"messages": USER, "max_completion_tokens": 60}, 10,
+         "This model's maximum context length is 64 tokens. However, you requested 70 tokens "
+         "(10 in the messages, 60 in the completion). Please reduce the length of the messages "
+         "or completion."),
+    ],
+)  # fmt: skip
+def test_context_length_exceeded(cls, body, prompt_len, message):
+    request = cls.model_validate(body)
+    with pytest.raises(OpenAIError) as info:
+        request.to_sampling_params(vocab_size=100, max_model_len=64, prompt_len=prompt_len)
+    assert (info.value.status, info.value.message) == (400, message)
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.param == ("messages" if cls is ChatCompletionRequest else "prompt")
+
+
+def test_prompt_that_exactly_fills_the_context_is_accepted():
+    request = CompletionRequest.model_validate({"prompt": "a", "max_tokens": 14})
+    assert request.to_sampling_params(100, 64, 50).max_tokens == 14
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt_len", "param", "message"),
+    [
+        ({"prompt": "a", "stop_token_ids": [5, 100]}, 1, "stop_token_ids",
+         "stop_token_ids contains 100, which is outside the vocabulary [0, 100)."),
+        ({"prompt": "a", "stop_token_ids": [-1]}, 1, "stop_token_ids",
+         "stop_token_ids contains -1, which is outside the vocabulary [0, 100)."),
+        ({"prompt": [3, 100, 4]}, 3, "prompt",
+         "prompt contains token id 100, which is outside the vocabulary [0, 100)."),
+        ({"prompt": [-5]}, 1, "prompt",
+         "prompt contains token id -5, which is outside the vocabulary [0, 100)."),
+        ({"prompt": "a", "min_tokens": 20}, 1, "min_tokens",
+         "min_tokens (20) must not exceed max_tokens (16)."),
+        ({"prompt": ""}, 0, "prompt", "The prompt is empty; send at least one token."),
+    ],
+)  # fmt: skip
+def test_engine_limits_are_400(body, prompt_len, param, message):
+    request = CompletionRequest.model_validate(body)
+    with pytest.raises(OpenAIError) as info:
+        request.to_sampling_params(vocab_size=100, max_model_len=64, prompt_len=prompt_len)
+    assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
+
+
+def test_min_tokens_message_names_the_limit_the_client_used():
+    request = ChatCompletionRequest.model_validate(
+        {"messages": USER, "max_completion_tokens": 3, "min_tokens": 4}
+    )
+    with pytest.raises(OpenAIError, match=r"^min_tokens \(4\) must not exceed "
+                       r"max_completion_tokens \(3\)\.$"):  # fmt: skip
+        request.to_sampling_params(100, 64, 5)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_error_types_and_headers():
+    busy = OpenAIError(503, "Overloaded; retry shortly.", retry_after_s=2)
+    assert busy.body()["error"]["type"] == "service_unavailable_error"
+    assert busy.headers() == {"Retry-After": "2"}
+    denied = OpenAIError(401, "Invalid API key.", code="invalid_api_key")
+    assert (denied.type, denied.headers()) == ("authentication_error", {})
+    assert model_not_found("gpt-x").body() == {
+        "error": {
+            "message": "The model `gpt-x` does not exist. GET /v1/models lists the served models.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+# -- stop strings -------------------------------------------------------------------------------
+
+
+def feed_all(matcher, deltas):
+    return [matcher.feed(delta) for delta in deltas]
+
+
+def test_stop_string_split_across_chunks():
+    matcher = StopStringMatcher(["STOP"])
+    assert feed_all(matcher, ["hello S", "TO", "P world", "more"]) == [
+        StopMatch("hello ", False),
+        StopMatch("", False),
+        StopMatch("", True),
+        StopMatch("", True),
+    ]
+
+
+def test_held_text_is_released_when_it_cannot_be_a_stop():
+    matcher = StopStringMatcher(["STOP"])
+    assert feed_all(matcher, ["ab ST", "AR", "t"]) == [
+        StopMatch("ab ", False),
+        StopMatch("STAR", False),
+        StopMatch("t", False),
+    ]
+
+
+def test_overlapping_prefixes_and_earliest_stop_wins():
+    matcher = StopStringMatcher(["aab"])
+    # "aaab" holds "aa" (a prefix of "aab"), then finds "aab" starting at the second "a".
+    assert feed_all(matcher, ["aaa", "b"]) == [StopMatch("a", False), StopMatch("", True)]
+    matcher = StopStringMatcher(["world", "lo"])
+    assert matcher.feed("hello world") == StopMatch("hel", True)
+
+
+def test_stop_inside_one_delta_and_flush():
+    matcher = StopStringMatcher(["\n\n", "###"])
+    assert matcher.feed("line one\nline") == StopMatch("line one\nline", False)
+    assert matcher.feed(" two #") == StopMatch(" two ", False)
+    assert matcher.flush() == "#"
+    assert matcher.flush() == ""
+    assert StopStringMatcher(["x"]).feed("abc\n\nx") == StopMatch("abc\n\n", True)
+
+
+def test_no_stops_passes_everything_through():
+    matcher = StopStringMatcher([])
+    assert feed_all(matcher, ["a", "b"]) == [StopMatch("a", False), StopMatch("b", False)]
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def test_completion_body_matches_openai_types():
+    meta = ResponseMeta.new("tiny", chat=False)
+    assert meta.id.startswith("cmpl-")
+    body = response_body(meta, "hi there", "length", Usage(5, 2, cached_tokens=4))
+    assert body == {
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "hi there", "logprobs": None, "finish_reason": "length"}],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+    }
+    parsed = Completion.model_validate(body)
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_chat_body_matches_openai_types():
+    meta = ResponseMeta.new("tiny", chat=True)
+    assert meta.id.startswith("chatcmpl-")
+    body = response_body(meta, "hello", "stop", Usage(3, 1))
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hello"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "hello"
+    assert parsed.usage.total_tokens == 4
+
+
+def test_token_ids_use_vllm_layout():
+    completion = response_body(
+        ResponseMeta("cmpl-1", "tiny", 0, chat=False),
+        "ab",
+        "stop",
+        Usage(2, 2),
+        token_ids=[97, 98],
+        prompt_token_ids=(1, 2),
+    )
+    assert completion["choices"][0]["token_ids"] == [97, 98]
+    assert completion["choices"][0]["prompt_token_ids"] == [1, 2]
+    chat = response_body(
+        ResponseMeta("chatcmpl-1", "tiny", 0, chat=True),
+        "ab",
+        "stop",
+        Usage(2, 2),
+        token_ids=[97, 98],
+        prompt_token_ids=[1, 2],
+    )
+    assert chat["prompt_token_ids"] == [1, 2]
+    assert chat["choices"][0]["token_ids"] == [97, 98]
+    assert "prompt_token_ids" not in chat["choices"][0]
+    Completion.model_validate(completion)
+    ChatCompletion.model_validate(chat)
+
+
+def test_chat_stream_chunks():
+    meta = ResponseMeta("chatcmpl-1", "tiny", 123, chat=True)
+    first = stream_chunk(meta, "", first=True, prompt_token_ids=[1], token_ids=[])
+    middle = stream_chunk(meta, "Hel", token_ids=[5])
+    last = stream_chunk(meta, "lo", "stop", token_ids=[6])
+    usage = usage_chunk(meta, Usage(1, 2))
+    assert first == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 123,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+                "token_ids": [],
+            }
+        ],
+        "prompt_token_ids": [1],
+    }
+    assert middle["choices"][0]["delta"] == {"content": "Hel"}
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert usage == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 123,
+        "model": "tiny",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": 2,
+            "total_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+    chunks = [ChatCompletionChunk.model_validate(c) for c in (first, middle, last, usage)]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chunks[:3]) == "Hello"
+    assert chunks[3].usage.completion_tokens == 2
+
+
+def test_completion_stream_chunks():
+    meta = ResponseMeta("cmpl-1", "tiny", 123, chat=False)
+    middle = stream_chunk(meta, "Hel", first=True)
+    last = stream_chunk(meta, "lo", "length")
+    assert middle == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 123,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}],
+    }
+    # NOTE: OpenAI's `Completion` type requires a finish_reason, so only the last chunk parses
+    # strictly (the client itself reads stream chunks without validation).
+    assert Completion.model_validate(last).choices[0].text == "lo"
+    usage = usage_chunk(meta, Usage(1, 2, cached_tokens=1))
+    assert (usage["object"], usage["choices"]) == ("text_completion", [])
+    assert Completion.model_validate(usage).usage.prompt_tokens_details.cached_tokens == 1
+
+
+def test_sse_encoding():
+    assert sse_event({"text": "é", "n": [1, 2]}) == 'data: {"text":"é","n":[1,2]}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    event = sse_error(OpenAIError(500, "engine died", code="engine_error"))
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event.removeprefix("data: ")) == {
+        "error": {
+            "message": "engine died",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
+
+
+def test_models_list():
+    body = models_list(["tiny", "tiny-2"], created=7)
+    assert body == {
+        "object": "list",
+        "data": [
+            {"id": "tiny", "object": "model", "created": 7, "owned_by": "hybridserve"},
+            {"id": "tiny-2", "object": "model", "created": 7, "owned_by": "hybridserve"},
+        ],
+    }
+    assert [Model.model_validate(m).id for m in body["data"]] == ["tiny", "tiny-2"]
+
+
+# -- cache salts --------------------------------------------------------------------------------
+
+
+def test_salt_concatenation_does_not_collide():
+    assert derive_cache_salt("org_1", "2345") != derive_cache_salt("org_12345", "")
+    assert derive_cache_salt("org_12345", "") != derive_cache_salt("org_12345", None)
+    assert derive_cache_salt("", None) != derive_cache_salt(None, "")
+
+
+def test_client_salt_cannot_reach_another_tenants_salt():
+    victim = derive_cache_salt("tenant-a", None)
+    assert derive_cache_salt("tenant-b", victim) != victim
+    assert derive_cache_salt(None, victim) != victim
+    assert derive_cache_salt(None, "tenant-a") != victim
+
+
+def test_salt_is_deterministic_and_pinned():
+    assert derive_cache_salt(None, None) is None
+    assert derive_cache_salt("t", "c") == derive_cache_salt("t", "c")
+    # Pinned: changing the construction silently splits every tenant's cache.
+    assert derive_cache_salt("org_1", "2345") == (
+        "37f794ef9ae5bbc1259c30b24901dd15d8a284a6110c42c0d826f20732ec2784"
+    )
+    manual = hashlib.sha256(
+        b"hybridserve/cache-salt/v1\x00"
+        + b"tenant\x01" + (5).to_bytes(8, "big") + b"org_1"
+        + b"client\x01" + (4).to_bytes(8, "big") + b"2345"
+    ).hexdigest()  # fmt: skip
+    assert manual == derive_cache_salt("org_1", "2345")
+    assert (
+        derive_cache_salt(None, "x")
+        == hashlib.sha256(
+            b"hybridserve/cache-salt/v1\x00tenant\x00client\x01" + (1).to_bytes(8, "big") + b"x"
+        ).hexdigest()
+    )
