@@ -221,6 +221,10 @@ class Engine:
         self._publish_cache_events()
         return request.to_output()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is live here (queued, running, handed off or receiving)."""
+        return request_id in self._requests
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended)
 

@@ -60,6 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0  # since start, for metrics
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -146,6 +147,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.info(
             "request %s preempted (KV pool full); it will be recomputed", request.request_id

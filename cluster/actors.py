@@ -1,0 +1,149 @@
+"""Thin Ray actors over the plain classes: EngineActor (EngineWorker), RouterActor (Router +
+PrefixIndex). Only dicts of plain data cross these calls (`cluster/messages.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from hybridserve.cluster.messages import GenerateRequest
+from hybridserve.cluster.prefix_index import PrefixIndex
+from hybridserve.cluster.router import Router, RouterConfig
+from hybridserve.workers import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote
+class RouterActor:
+    """One per service. A synchronous actor: calls run one at a time, in the order each
+    caller sent them, so an engine's cache events are applied in order."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        prefill_engines: list[str],
+        decode_engines: list[str],
+        block_size: int,
+        partial_reuse: bool,
+    ) -> None:
+        self.index = PrefixIndex()
+        for name in (*prefill_engines, *decode_engines):
+            self.index.add_engine(name, block_size=block_size, partial_reuse=partial_reuse)
+        self.router = Router(RouterConfig(**config), self.index, prefill_engines, decode_engines)
+
+    def apply_events(self, engine: str, events: list[dict[str, Any]]) -> None:
+        self.index.apply(engine, events)
+
+    def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+        return asdict(self.router.route(token_ids, cache_salt))
+
+    def release(self, engine: str) -> None:
+        self.router.release(engine)
+
+    def remove_engine(self, name: str) -> None:
+        self.router.remove_engine(name)
+
+    def set_policy(self, policy: str) -> None:
+        """Benchmarks compare policies on one deployment."""
+        self.router.config = self.router.config.model_copy(update={"policy": policy})
+
+    def score(self, token_ids: list[int], cache_salt: str | None) -> dict[str, dict[str, Any]]:
+        return {k: asdict(v) for k, v in self.index.score(token_ids, cache_salt).items()}
+
+    def stats(self) -> dict[str, Any]:
+        return asdict(self.index.stats()) | {
+            "load": dict(self.router.load),
+            "engines": [*self.router.prefill_engines, *self.router.decode_engines],
+            "policy": self.router.config.policy,
+        }
+
+
+@ray.remote
+class EngineActor:
+    """One engine replica. Async actor: request coroutines share its event loop while the
+    worker's own threads step the engine and move transfers."""
+
+    def __init__(
+        self,
+        name: str,
+        engine_config: dict[str, Any],
+        router: Any | None,
+        *,
+        torch_threads: int | None = None,
+        transfer_timeout: float = 30.0,
+    ) -> None:
+        import torch
+
+        from hybridserve.cluster.worker import EngineWorker
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        sink = None
+        if router is not None:
+
+            def sink(engine: str, events: list[dict[str, Any]]) -> None:
+                router.apply_events.remote(engine, events)
+
+        self.worker = EngineWorker(
+            name,
+            EngineConfig(**engine_config),
+            event_sink=sink,
+            transfer_timeout=transfer_timeout,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return self.worker.describe()
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.stats()
+
+    def check_integrity(self) -> dict[str, Any]:
+        return self.worker.check_integrity()
+
+    async def clear_cache(self) -> None:
+        with self.worker.lock:
+            self.worker.engine.clear_cache()
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for event in self.worker.generate(GenerateRequest.from_dict(request)):
+            yield event.to_dict()
+
+    async def continue_from(
+        self, request: dict[str, Any], prefill: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Decode: have `prefill` (an EngineActor) compute the prompt and send it here."""
+        task: asyncio.Future | None = None
+
+        async def run_prefill(address: tuple[str, int]) -> dict[str, Any]:
+            nonlocal task
+            task = asyncio.ensure_future(prefill.prefill.remote(request, list(address)))
+            return await task
+
+        try:
+            parsed = GenerateRequest.from_dict(request)
+            async for event in self.worker.continue_from(parsed, run_prefill):
+                yield event.to_dict()
+        finally:
+            if task is not None and not task.done():
+                # Our caller went away while prefill ran: stop it there too.
+                prefill.abort.remote(request["request_id"])
+                task.cancel()
+
+    async def prefill(self, request: dict[str, Any], decode_address: list[Any]) -> dict[str, Any]:
+        return await self.worker.prefill(GenerateRequest.from_dict(request), decode_address)
+
+    def abort(self, request_id: str) -> bool:
+        return self.worker.abort(request_id)
+
+    async def drain(self, timeout: float) -> int:
+        return await self.worker.drain(timeout)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,116 @@
+"""ServiceConfig: the whole service in one validated model.
+
+The same dict is the Ray Serve application's `args` (`serve run`, `serve deploy`, a KubeRay
+RayService `serveConfigV2`) and what `hybridserve serve` builds from its flags.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hybridserve.cluster.router import RouterConfig
+from hybridserve.workers.config import EngineConfig
+
+API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"
+Role = Literal["prefill", "decode", "colocated"]
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("tiny", description="'tiny' or an HF-format checkpoint folder")
+    served_model_name: str | None = Field(
+        None, description="the model id clients send; default: 'tiny' or the folder name"
+    )
+    num_prefill: int = Field(
+        1, ge=0, description="prefill engines (0: decode engines run whole requests)"
+    )
+    num_decode: int = Field(1, ge=1, description="decode engines")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="EngineConfig fields for every engine"
+    )
+    prefill_engine: dict[str, Any] = Field(
+        default_factory=dict, description="EngineConfig overrides for prefill engines"
+    )
+    decode_engine: dict[str, Any] = Field(
+        default_factory=dict, description="EngineConfig overrides for decode engines"
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description=f"accepted bearer keys (also {API_KEYS_ENV}, comma-separated); "
+        "empty: no authentication",
+    )
+    tenants: dict[str, str] = Field(
+        default_factory=dict,
+        description="API key -> tenant: tenants never share cached prefixes (a key not "
+        "listed is its own tenant)",
+    )
+    engine_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 0},
+        description="Ray actor options of each engine (e.g. {'num_gpus': 1})",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads per engine (default: torch's choice)"
+    )
+    transfer_timeout_s: float = Field(30.0, gt=0, description="one KV/state transfer")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on shutdown, how long running requests may finish"
+    )
+    max_request_bytes: int = Field(8 << 20, ge=1024, description="larger bodies get 413")
+
+    @field_validator("engine", "prefill_engine", "decode_engine")
+    @classmethod
+    def _no_reserved_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"model", "role"} & set(value)
+        if reserved:
+            raise ValueError(
+                f"{sorted(reserved)} are set by the service (use `model` and "
+                "num_prefill / num_decode), not per engine"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _engines_are_valid(self) -> ServiceConfig:
+        for role in self.roles():
+            try:
+                self.engine_config(role)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                raise ValueError(f"{role} engine configuration: {problems}") from None
+        return self
+
+    def roles(self) -> list[Role]:
+        return ["prefill", "decode"] if self.num_prefill else ["colocated"]
+
+    def engine_config(self, role: Role) -> EngineConfig:
+        """One role's EngineConfig: shared fields, then the role's overrides. Decode engines
+        commit a turn-end snapshot by default: the next turn of their conversation resumes
+        there."""
+        overrides = self.prefill_engine if role == "prefill" else self.decode_engine
+        defaults = {} if role == "prefill" else {"mamba_snapshot_turn_end": True}
+        return EngineConfig(**(defaults | self.engine | overrides), model=self.model, role=role)
+
+    @property
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "tiny" if self.model == "tiny" else Path(self.model).name
+
+    def accepted_keys(self) -> list[str]:
+        from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        return [*self.api_keys, *from_env]
+
+    def engine_names(self) -> dict[str, Role]:
+        """Engine name -> role, in a stable order."""
+        if not self.num_prefill:
+            return {f"colocated-{i}": "colocated" for i in range(self.num_decode)}
+        names: dict[str, Role] = {f"prefill-{i}": "prefill" for i in range(self.num_prefill)}
+        names.update({f"decode-{i}": "decode" for i in range(self.num_decode)})
+        return names

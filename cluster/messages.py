@@ -1,0 +1,108 @@
+"""Messages between the ingress and the engine actors: versioned, msgpack-ready dicts.
+
+Ray carries them as plain dicts of ints, strings and lists (no objects of ours are pickled),
+so a reader in another version fails loudly on the version field instead of misreading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Literal, TypeVar
+
+from hybridserve.workers.sampling_params import SamplingParams
+
+MESSAGES_VERSION = 1
+
+M = TypeVar("M", bound="_Message")
+
+
+class MessageError(ValueError):
+    """A malformed or incompatible message."""
+
+
+class _Message:
+    kind: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": MESSAGES_VERSION, "kind": self.kind, **asdict(self)}  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[M], data: Any) -> M:
+        if not isinstance(data, dict):
+            raise MessageError(f"{cls.kind}: expected a mapping, got {type(data).__name__}")
+        if data.get("v") != MESSAGES_VERSION or data.get("kind") != cls.kind:
+            raise MessageError(
+                f"expected a {cls.kind} message of version {MESSAGES_VERSION}, got kind "
+                f"{data.get('kind')!r} version {data.get('v')!r}"
+            )
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        values = {k: v for k, v in data.items() if k not in ("v", "kind")}
+        if set(values) - names:
+            raise MessageError(f"{cls.kind}: unknown fields {sorted(set(values) - names)}")
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise MessageError(f"{cls.kind}: malformed ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class GenerateRequest(_Message):
+    """One tokenized request, as the ingress sends it to an engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams fields
+    cache_salt: str | None = None
+    stable_prompt_len: int | None = None
+    kind: ClassVar[str] = "generate"
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling)
+
+
+@dataclass(frozen=True)
+class TokenEvent(_Message):
+    """New tokens of a request; `offset` is the output position of the first of them, so a
+    reader can drop tokens it already has (a recompute regenerates the same ones)."""
+
+    request_id: str
+    offset: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    kind: ClassVar[str] = "tokens"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PrefillResult(_Message):
+    """What a prefill engine did with a request.
+
+    status: "handed_off" (decode acked the transfer), "finished" (it ended with its first
+    token; nothing to transfer), "transfer_failed" (decode never admitted it: recompute
+    there), or "error" (the request itself was refused; `detail` says why)."""
+
+    request_id: str
+    status: Literal["handed_off", "finished", "transfer_failed", "error"]
+    first: TokenEvent | None = None
+    detail: str = ""
+    blocks_sent: int = 0
+    blocks_held: int = 0
+    bytes_sent: int = 0
+    kind: ClassVar[str] = "prefill_result"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["first"] = self.first.to_dict() if self.first is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrefillResult:
+        if isinstance(data, dict) and isinstance(data.get("first"), dict):
+            data = data | {"first": TokenEvent.from_dict(data["first"])}
+        return super().from_dict(data)

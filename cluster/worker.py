@@ -1,0 +1,450 @@
+"""EngineWorker: one engine with its stepping thread, transfer endpoint and request streams.
+
+A plain class (tested without Ray); `cluster/actors.py` wraps it in a Ray actor. Threads:
+
+    stepping thread   engine.step() under the lock, turns outputs into TokenEvents for the
+                      request streams, flushes cache events to the index, hands prefilled
+                      requests to the sender of their decode peer
+    sender threads    (prefill) one per decode peer: TransferSender.send, blocking
+    receiver thread   (decode) TransferReceiver: lands transfers, under the same lock
+    event loop        the caller's asyncio loop: generate() / prefill() coroutines
+
+Roles: `prefill` computes a prompt and its first token and ships the request to the decode
+engine the caller named; `decode` continues received requests, or runs a whole request
+itself (conditional disaggregation, or a recompute when a transfer failed); `colocated`
+runs everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.transceiver.base import Pools
+from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
+from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
+from hybridserve.transceiver.registry import create_backend
+from hybridserve.workers import Engine, EngineConfig, RequestOutput
+from hybridserve.workers.cache.events import CacheEvent, event_to_dict
+from hybridserve.workers.disaggregation import Handoff
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 0.005
+EventSink = Callable[[str, list[dict[str, Any]]], None]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down or stopped: the request was not taken."""
+
+
+@dataclass
+class _Stream:
+    """Where a request's events go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    num_sent: int = 0  # output tokens already put in the queue
+    prefill_done: asyncio.Future[PrefillResult] | None = None
+    decode_address: tuple[str, int] | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class _DecodePort:
+    """The engine as the transfer receiver sees it; a failed receive ending the request
+    (policy `fail`) reaches its stream through the engine's next step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def prepare_receive(self, message: TransferRequest) -> ReceivePlan:
+        return self.engine.prepare_receive(message)
+
+    def complete_receive(self, request_id: str) -> None:
+        self.engine.complete_receive(request_id)
+
+    def fail_receive(self, request_id: str, reason: str, *, writer_done: bool) -> Any:
+        return self.engine.fail_receive(request_id, reason, writer_done=writer_done)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        name: str,
+        engine_config: EngineConfig,
+        *,
+        event_sink: EventSink | None = None,
+        transfer_timeout: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.engine = Engine(engine_config)
+        self.role = engine_config.role
+        self.lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._event_sink = event_sink
+        self._pending_events: list[CacheEvent] = []
+        self._flush_lock = threading.Lock()
+        self.engine.subscribe(self)
+        caches = self.engine.runner.caches
+        self._pools = Pools(caches.kv, caches.conv, caches.ssm)
+        self._transfer_timeout = transfer_timeout
+        self.receiver: TransferReceiver | None = None
+        self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
+        self._backend = create_backend(engine_config.transfer_backend, self._pools)
+        if self.role == "decode":
+            self.receiver = TransferReceiver(
+                _DecodePort(self.engine),
+                self.engine.layout,
+                self._backend,
+                lock=self.lock,
+                timeout=transfer_timeout,
+            )
+        self.transfer_stats = {"bytes": 0, "blocks_sent": 0, "blocks_held": 0}
+        self.transfer_failures: dict[str, int] = {}
+        self._accepting = True
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-step", daemon=True)
+        self._thread.start()
+        logger.info("engine worker %s (%s) ready", name, self.role)
+
+    # ---- facts ----------------------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where prefill engines send transfers (decode role)."""
+        return self.receiver.address if self.receiver is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        config = self.engine.model_config
+        return {
+            "name": self.name,
+            "role": self.role,
+            "address": list(self.address) if self.address else None,
+            "vocab_size": config.vocab_size,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.engine.config.block_size,
+            "partial_reuse": self.engine.config.enable_partial_reuse,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Load and cache figures for routing and /metrics."""
+        with self.lock:
+            cache = self.engine.cache
+            scheduler = self.engine.scheduler
+            num_blocks = self.engine.runner.num_kv_blocks
+            used = num_blocks - cache.num_free_blocks
+            return {
+                "num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage_perc": used / num_blocks if num_blocks else 0.0,
+                "num_preemptions": scheduler.num_preemptions,
+                "snapshot_hits": cache.stats.hits,
+                "snapshot_misses": cache.stats.misses,
+                "reused_tokens": cache.stats.reused_tokens,
+                "transfer_bytes": self.transfer_stats["bytes"],
+                "transfer_failures": dict(self.transfer_failures),
+                "num_free_blocks": cache.num_free_blocks,
+                "num_free_slots": cache.num_free_slots,
+            }
+
+    def check_integrity(self) -> dict[str, Any]:
+        """Recount the pools; the free counts once no request runs (for tests and probes)."""
+        with self.lock:
+            self.engine.check_integrity()
+            cache = self.engine.cache
+            return {
+                "num_free_blocks": cache.num_free_blocks,
+                "num_blocks": self.engine.runner.num_kv_blocks,
+                "num_free_slots": cache.num_free_slots,
+                "num_live_slots": cache.states.num_live_slots,
+                "busy": self.engine.has_unfinished_requests()
+                or self.engine.has_pending_transfers(),
+            }
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Run a whole request here (colocated, or decode prefilling a short suffix)."""
+        stream = self._open(request.request_id)
+        try:
+            self._add(request)
+            async for event in self._drain(stream):
+                yield event
+        finally:
+            self._close(request.request_id)
+
+    async def continue_from(
+        self, request: GenerateRequest, prefill: Callable[[tuple[str, int]], Any]
+    ) -> AsyncIterator[TokenEvent]:
+        """Decode role: `prefill(address)` has a prefill engine compute the prompt and send it
+        here; stream the first token from its result, then the rest from this engine. If the
+        transfer never landed, recompute here (same id and seed: same tokens)."""
+        assert self.address is not None, "continue_from needs role=decode"
+        stream = self._open(request.request_id)
+        try:
+            result = PrefillResult.from_dict(await prefill(self.address))
+            if result.status == "error":
+                yield TokenEvent(request.request_id, 0, finish_reason="error", error=result.detail)
+                return
+            if result.first is not None:
+                yield result.first
+                if result.first.finished:
+                    return
+            if result.status == "transfer_failed":
+                logger.warning(
+                    "request %s: transfer from prefill failed (%s); recomputing on %s",
+                    request.request_id,
+                    result.detail,
+                    self.name,
+                )
+                self._count_failure("recomputed")
+                with self.lock:
+                    known = self.engine.has_request(request.request_id)
+                if not known:
+                    self._add(request)
+            delivered = result.first.offset + len(result.first.token_ids) if result.first else 0
+            async for event in self._drain(stream):
+                # The engine here reports every output token, the received first one included
+                # (and a recompute regenerates it): pass on only what is new.
+                skip = max(0, delivered - event.offset)
+                tokens = event.token_ids[skip:]
+                if tokens or event.finished:
+                    yield TokenEvent(
+                        event.request_id,
+                        event.offset + skip,
+                        tokens,
+                        event.finish_reason,
+                        result.first.num_cached_tokens if result.first else event.num_cached_tokens,
+                        event.error,
+                    )
+                delivered = max(delivered, event.offset + len(event.token_ids))
+        finally:
+            self._close(request.request_id)
+
+    async def prefill(self, request: GenerateRequest, decode_address: list | tuple) -> dict:
+        """Prefill role: compute the prompt and first token, ship the request to
+        `decode_address`, and return a PrefillResult (as a dict)."""
+        stream = self._open(request.request_id)
+        stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
+        stream.prefill_done = stream.loop.create_future()
+        try:
+            try:
+                self._add(request)
+            except ValueError as exc:
+                return PrefillResult(request.request_id, "error", detail=str(exc)).to_dict()
+            first = await stream.queue.get()
+            if first.finished:  # ended by its first token, or refused
+                return PrefillResult(request.request_id, "finished", first=first).to_dict()
+            result = await stream.prefill_done
+            return PrefillResult(
+                request.request_id,
+                result.status,
+                first=first,
+                detail=result.detail,
+                blocks_sent=result.blocks_sent,
+                blocks_held=result.blocks_held,
+                bytes_sent=result.bytes_sent,
+            ).to_dict()
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+        finally:
+            self._close(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is here; True if it was known."""
+        with self.lock:
+            output = self.engine.abort(request_id)
+        stream = self._streams.get(request_id)
+        if output is not None and stream is not None:
+            stream.put(TokenEvent(request_id, stream.num_sent, finish_reason="abort"))
+        self._flush_cache_events()
+        return output is not None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> int:
+        """Stop taking requests; wait up to `timeout` for running ones, then end the rest
+        with an error event. Returns how many were cut off."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                busy = self.engine.has_unfinished_requests() or self.engine.has_pending_transfers()
+            if not busy:
+                break
+            await asyncio.sleep(0.05)
+        cut = 0
+        for request_id, stream in list(self._streams.items()):
+            with self.lock:
+                self.engine.abort(request_id)
+            stream.put(
+                TokenEvent(
+                    request_id,
+                    stream.num_sent,
+                    finish_reason="error",
+                    error=f"engine {self.name} shut down before the request finished",
+                )
+            )
+            cut += 1
+        return cut
+
+    def shutdown(self) -> None:
+        self._accepting = False
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        if self.receiver is not None:
+            self.receiver.close()
+        for sender, executor in self._senders.values():
+            executor.shutdown(wait=True)
+            sender.close_link()
+        self._backend.close()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _open(self, request_id: str) -> _Stream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use on {self.name}")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        return stream
+
+    def _close(self, request_id: str) -> None:
+        """The caller is done (finished, cancelled or failed): nothing may stay behind."""
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
+
+    def _add(self, request: GenerateRequest) -> None:
+        if not self._accepting:
+            raise EngineUnavailable(f"engine {self.name} is shutting down")
+        with self.lock:
+            self.engine.add_request(
+                request.prompt_token_ids,
+                request.params,
+                request_id=request.request_id,
+                cache_salt=request.cache_salt,
+                stable_prompt_len=request.stable_prompt_len,
+            )
+        self._wake.set()
+
+    async def _drain(self, stream: _Stream) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await stream.queue.get()
+            yield event
+            if event.finished:
+                return
+
+    def on_cache_events(self, events: list[CacheEvent]) -> None:
+        """Engine callback (under the lock): queue for the stepping thread to flush in order."""
+        self._pending_events.extend(events)
+
+    def _flush_cache_events(self) -> None:
+        # One flusher at a time: batches leave in the order the engine emitted them.
+        with self._flush_lock:
+            with self.lock:
+                events, self._pending_events = self._pending_events, []
+            if events and self._event_sink is not None:
+                self._event_sink(self.name, [event_to_dict(e) for e in events])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.lock:
+                    outputs = self.engine.step()
+                    handoffs = self.engine.take_handoffs() if self.role == "prefill" else []
+                    busy = self.engine.has_unfinished_requests()
+            except Exception:
+                logger.exception("engine %s: step failed; failing its running requests", self.name)
+                self._fail_all("the engine step failed; see the engine log")
+                continue
+            for output in outputs:
+                self._deliver(output)
+            for handoff in handoffs:
+                self._ship(handoff)
+            self._flush_cache_events()
+            if not busy:
+                self._wake.wait(IDLE_WAIT_SECONDS * 20)
+                self._wake.clear()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # its caller went away; the request was aborted by _close
+        new = output.token_ids[stream.num_sent :]
+        event = TokenEvent(
+            output.request_id,
+            stream.num_sent,
+            list(new),
+            output.finish_reason,
+            output.num_cached_tokens,
+            output.error,
+        )
+        stream.num_sent += len(new)
+        stream.put(event)
+
+    def _ship(self, handoff: Handoff) -> None:
+        request_id = handoff.request.request_id
+        stream = self._streams.get(request_id)
+        if stream is None or stream.decode_address is None:
+            with self.lock:
+                self.engine.release_handoff(request_id, "no destination")
+            return
+        sender, executor = self._sender(stream.decode_address)
+        future = executor.submit(sender.send, request_id, handoff.message)
+        future.add_done_callback(lambda f: self._shipped(stream, f.result()))
+
+    def _sender(self, address: tuple[str, int]) -> tuple[TransferSender, ThreadPoolExecutor]:
+        if address not in self._senders:
+            sender = TransferSender(
+                self.engine,
+                self.engine.layout,
+                self._backend,
+                address,
+                lock=self.lock,
+                timeout=self._transfer_timeout,
+            )
+            executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
+            self._senders[address] = (sender, executor)
+        return self._senders[address]
+
+    def _shipped(self, stream: _Stream, outcome: SendOutcome) -> None:
+        self.transfer_stats["bytes"] += outcome.bytes_sent
+        self.transfer_stats["blocks_sent"] += outcome.blocks_sent
+        self.transfer_stats["blocks_held"] += outcome.blocks_held
+        status = "handed_off" if outcome.ok else "transfer_failed"
+        if not outcome.ok:
+            self._count_failure(outcome.status)
+            logger.warning(
+                "request %s: transfer %s: %s", outcome.request_id, outcome.status, outcome.detail
+            )
+        result = PrefillResult(
+            outcome.request_id,
+            status,
+            detail=outcome.detail,
+            blocks_sent=outcome.blocks_sent,
+            blocks_held=outcome.blocks_held,
+            bytes_sent=outcome.bytes_sent,
+        )
+        done = stream.prefill_done
+        if done is not None:
+            stream.loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+    def _count_failure(self, reason: str) -> None:
+        self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            with self.lock:
+                self.engine.abort(request_id)
+            stream.put(TokenEvent(request_id, stream.num_sent, finish_reason="error", error=reason))
