@@ -1,0 +1,58 @@
+"""Starting Ray and the service from a process: `hybridserve serve`, job entrypoints,
+benchmarks and tests share these two steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+APP_NAME = "hybridserve"
+logger = logging.getLogger(__name__)
+
+
+def connect_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster at RAY_ADDRESS, or start a local one on loopback."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+
+
+def deploy(config: dict[str, Any], host: str = "127.0.0.1", port: int = 8000) -> str:
+    """Run the service as the Serve application `hybridserve`; returns its base URL once
+    every engine is up."""
+    from ray import serve
+
+    from hybridserve.cluster.app import build_app
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+def coordinator() -> Any:
+    """A handle on the running service's Coordinator (for probes, tests, benchmarks)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

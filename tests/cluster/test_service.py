@@ -1,0 +1,299 @@
+"""The running service, driven over real HTTP with the official `openai` client.
+
+One local Ray cluster with 1 prefill + 2 decode engines (tiny model) for the whole session.
+Oracles: an offline colocated `LLM` for tokens; the engines' own integrity checks and free
+counts for leaks. The engine-killing scenario runs last (this module's final test).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+
+from hybridserve.workers import LLM, SamplingParams
+from tests.cluster.conftest import API_KEY, ENGINE, OTHER_KEY, Service
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The hybrid model reads this prompt and continues it for a while."
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("tiny", **ENGINE)
+
+
+def client(service: Service, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def offline_tokens(llm: LLM, prompt: Any, **params: Any) -> list[int]:
+    (out,) = llm.generate([prompt], SamplingParams(**params))
+    return out.token_ids
+
+
+def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Wait until no engine holds a request, then every engine's integrity report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engines = service.engines()
+        reports = ray.get([h.check_integrity.remote() for h in engines.values()])
+        if not any(r["busy"] for r in reports) or time.monotonic() > deadline:
+            return dict(zip(engines, reports, strict=True))
+        time.sleep(0.2)
+
+
+def assert_at_baseline(service: Service) -> None:
+    for name, report in settle(service).items():
+        assert not report["busy"], name
+        assert report["num_free_blocks"] == report["num_blocks"], name
+        assert report["num_free_slots"] == report["num_live_slots"], name
+
+
+def engine_stats(service: Service) -> dict[str, dict[str, Any]]:
+    engines = service.engines()
+    return dict(zip(engines, ray.get([h.stats.remote() for h in engines.values()]), strict=True))
+
+
+def test_health_models_and_auth(service):
+    assert httpx.get(f"{service.base_url}/health").status_code == 200
+    models = client(service).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):
+        client(service, "wrong-key").models.list()
+    response = httpx.post(f"{service.base_url}/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_completions_equal_an_offline_run(service, offline):
+    greedy = client(service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    expected = offline_tokens(offline, PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    choice = greedy.choices[0]
+    assert choice.token_ids == expected
+    assert choice.text == offline.tokenizer.decode(expected)
+    assert choice.finish_reason == "length"
+    assert greedy.usage.completion_tokens == 12
+
+    stream = client(service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.9,
+        top_p=0.9,
+        seed=11,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    streamed = [t for chunk in stream for c in chunk.choices for t in (c.token_ids or [])]
+    seeded = offline_tokens(
+        offline, PROMPT, max_tokens=10, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True
+    )
+    assert streamed == seeded
+    assert_at_baseline(service)
+
+
+def test_chat_streams_with_usage_and_equals_offline_chat(service, offline):
+    messages = [{"role": "user", "content": "Say something about state space models."}]
+    stream = client(service).chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (expected,) = offline.chat(messages, SamplingParams(max_tokens=9, temperature=0))
+    assert text == expected.text
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert_at_baseline(service)
+
+
+def test_cached_tokens_are_reported_and_tenants_never_share(service, offline):
+    base = [(7 * i + 3) % 250 for i in range(90)]
+    follow_up = [*base, *range(40, 60)]
+    params = {"max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    client(service).completions.create(model="tiny", prompt=base, **params)
+    other = client(service, OTHER_KEY).completions.create(model="tiny", prompt=follow_up, **params)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's prefix
+    same = client(service).completions.create(model="tiny", prompt=follow_up, **params)
+    assert same.usage.prompt_tokens_details.cached_tokens == len(base)
+    expected = offline_tokens(offline, follow_up, max_tokens=4, temperature=0, ignore_eos=True)
+    assert offline.tokenizer.decode(expected) == same.choices[0].text == other.choices[0].text
+    assert_at_baseline(service)
+
+
+def test_second_turn_resumes_on_the_decode_engine_that_served_the_first(service, offline):
+    first_prompt = [(11 * i + 5) % 250 for i in range(120)]
+    params = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    first = client(service).completions.create(
+        model="tiny", prompt=first_prompt, max_tokens=16, **params
+    )
+    answer = first.choices[0].token_ids
+    second_prompt = [*first_prompt, *answer, 1, 2, 3, 4, 5]
+    holders = engine_stats(service)
+    second = client(service).completions.create(
+        model="tiny", prompt=second_prompt, max_tokens=6, **params
+    )
+    # The decode engine's turn-end snapshot: every token of turn 1 but the last sampled one.
+    assert second.usage.prompt_tokens_details.cached_tokens == len(first_prompt) + 16 - 1
+    after = engine_stats(service)
+    hits = {n: after[n]["snapshot_hits"] - holders[n]["snapshot_hits"] for n in after}
+    (holder,) = [n for n, h in hits.items() if h]
+    assert holder.startswith("decode-")  # the suffix was short: prefilled there, no transfer
+    assert second.choices[0].token_ids == offline_tokens(
+        offline, second_prompt, max_tokens=6, temperature=0, ignore_eos=True
+    )
+    assert_at_baseline(service)
+
+
+def test_chat_second_turn_reuses_at_least_the_first_turn(service):
+    first_messages = [
+        {"role": "system", "content": "You are a careful assistant. " * 4},
+        {"role": "user", "content": "Tell me about Mamba layers."},
+    ]
+    chat = client(service).chat.completions.create
+    first = chat(model="tiny", messages=first_messages, max_tokens=8, temperature=0)
+    follow_up = [
+        *first_messages,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And attention?"},
+    ]
+    second = chat(model="tiny", messages=follow_up, max_tokens=8, temperature=0)
+    stable_len = LLM("tiny").tokenizer.render_chat(first_messages).stable_len
+    assert stable_len is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= stable_len
+    assert_at_baseline(service)
+
+
+def test_stop_strings_truncate_and_stop(service, offline):
+    full = offline.tokenizer.decode(
+        offline_tokens(offline, PROMPT, max_tokens=20, temperature=0, ignore_eos=True)
+    )
+    stop = full[8:11]
+    cut = full[: full.index(stop)]
+    result = client(service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (cut, "stop")
+    assert_at_baseline(service)
+
+
+BAD_REQUESTS = [
+    ("not json", 400, "not valid JSON"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": [1, 2, 99999]}, 400, "99999"),
+    ({"prompt": "x" * 800, "max_tokens": 10}, 400, "maximum context length is 768"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, 400, "-1"),
+    ({"prompt": 12}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), BAD_REQUESTS)
+def test_bad_requests_get_an_openai_error_and_the_service_keeps_serving(
+    service, body, status, needle
+):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{service.base_url}/v1/completions"
+    if isinstance(body, str):
+        response = httpx.post(url, content=body, headers=headers)
+    else:
+        response = httpx.post(url, json=body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
+    ok = client(service).completions.create(model="tiny", prompt="ok", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_oversized_body_is_413(service):
+    response = httpx.post(
+        f"{service.base_url}/v1/completions",
+        content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 413
+
+
+def test_a_client_disconnect_aborts_the_request_everywhere(service):
+    with httpx.stream(
+        "POST",
+        f"{service.base_url}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: {") for line in received)
+    assert_at_baseline(service)  # nothing left running or held on any engine
+
+
+def test_metrics_expose_request_and_hybrid_counters(service):
+    response = httpx.get(
+        f"{service.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert response.status_code == 200
+    text = response.text
+    for name in (
+        "hybridserve:prompt_tokens_total",
+        "hybridserve:generation_tokens_total",
+        "hybridserve:time_to_first_token_seconds_bucket",
+        "hybridserve:snapshot_hits_total",
+        "hybridserve:transfer_bytes_total",
+        "hybridserve:prefix_index_blocks",
+    ):
+        assert name in text, name
+    assert httpx.get(f"{service.base_url}/metrics").status_code == 401
+
+
+def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
+    """Runs last: it leaves the service with one decode engine."""
+    stream = client(service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=700,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    running = {n: s for n, s in engine_stats(service).items() if s["num_requests_running"]}
+    (victim,) = [n for n in running if n.startswith("decode-")]
+    ray.kill(service.engines()[victim])
+    with pytest.raises(openai.APIError, match="died"):
+        for _ in chunks:
+            pass
+    survivor = client(service).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    assert survivor.choices[0].finish_reason == "length"
+    assert victim not in service.engines()
+    router = service.topology()["router"]
+    assert victim not in ray.get(router.stats.remote())["engines"]
+    assert victim not in ray.get(router.score.remote(list(range(40)), None))
+    assert_at_baseline(service)
