@@ -11,7 +11,7 @@ import torch
 
 from hybridserve.transceiver.base import RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import Channel, TransferFailed
-from hybridserve.transceiver.protocol import DataFrame
+from hybridserve.transceiver.protocol import DataFrame, TransferAbort
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -37,6 +37,8 @@ class TcpBackend(TransferBackend):
     ) -> None:
         for copy in copies:
             frame = channel.receive(timeout)
+            if isinstance(frame, TransferAbort):
+                raise TransferFailed(f"request {request_id}: sender aborted: {frame.reason}")
             region = self.pools.region(copy.kind, copy.dst)
             nbytes = region.numel() * region.element_size()
             if not isinstance(frame, DataFrame) or (

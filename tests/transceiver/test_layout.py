@@ -1,0 +1,164 @@
+"""Peer layouts and the compatibility hash: equal for engines that can exchange state (whatever
+their tensor-parallel sizes), different when anything that shapes the bytes differs, and a
+mismatch names the field that differs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridserve.transceiver.layout import LayoutMismatch, PeerLayout, check_compatible
+
+LAYER_KINDS = ("mamba", "attention", "mlp", "mamba", "attention", "moe")
+
+
+def layout(tp: int = 1, rank: int = 0, **full) -> PeerLayout:
+    """Rank `rank` of a TP-`tp` engine whose full (unsharded) model has `full` geometry."""
+    geometry = {
+        "kv_heads": 4,
+        "conv_sections": (64, 32, 32),
+        "ssm_heads": 8,
+        "layer_kinds": LAYER_KINDS,
+    } | full
+    kv = geometry.pop("kv_heads")
+    sections = geometry.pop("conv_sections")
+    ssm_heads = geometry.pop("ssm_heads")
+    kinds = geometry.pop("layer_kinds")
+    return PeerLayout(
+        **{
+            "model_id": "a97207e33d70f71b",
+            "tp_size": tp,
+            "tp_rank": rank,
+            "layer_kinds": kinds,
+            "kv_heads_per_layer": tuple(kv // tp if k == "attention" else 0 for k in kinds),
+            "block_size": 16,
+            "head_dim": 16,
+            "kv_dtype": "torch.bfloat16",
+            "conv_sections": tuple(s // tp for s in sections),
+            "conv_width": 3,
+            "conv_dtype": "torch.bfloat16",
+            "ssm_heads": ssm_heads // tp,
+            "ssm_head_dim": 8,
+            "ssm_state_size": 16,
+            "ssm_dtype": "torch.float32",
+        }
+        | geometry
+    )
+
+
+def test_the_hash_is_pinned():
+    """The canonical form is part of the protocol: changing it breaks every deployed peer, so
+    it needs a PROTOCOL_VERSION bump, not a silent update of this value."""
+    assert layout().compatibility_hash() == "82979435c9b0cc7f67ea407513bfed56"
+
+
+def test_the_full_geometry_multiplies_per_rank_sizes_back():
+    assert layout(tp=4, rank=3).full_geometry() == {
+        "model_id": "a97207e33d70f71b",
+        "layer_kinds": list(LAYER_KINDS),
+        "kv_heads": 4,
+        "block_size": 16,
+        "head_dim": 16,
+        "kv_dtype": "torch.bfloat16",
+        "conv_sections": [64, 32, 32],
+        "conv_width": 3,
+        "conv_dtype": "torch.bfloat16",
+        "ssm_heads": 8,
+        "ssm_head_dim": 8,
+        "ssm_state_size": 16,
+        "ssm_dtype": "torch.float32",
+    }
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1), (4, 0), (4, 3)])
+def test_the_hash_is_equal_across_tensor_parallel_sizes_and_ranks(tp, rank):
+    reference = layout()
+    peer = layout(tp=tp, rank=rank)
+    assert peer.compatibility_hash() == reference.compatibility_hash()
+    check_compatible(reference, peer)
+    check_compatible(peer, reference)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"block_size": 32}, "block_size: local 16 vs peer 32"),
+        ({"kv_dtype": "torch.float16"}, "kv_dtype"),
+        ({"conv_dtype": "torch.float32"}, "conv_dtype"),
+        # SGLang #36371: different SSM dtypes were accepted and corrupted the state silently.
+        ({"ssm_dtype": "torch.bfloat16"}, "ssm_dtype: local 'torch.float32' vs peer"),
+        ({"head_dim": 32}, "head_dim"),
+        ({"ssm_head_dim": 16}, "ssm_head_dim"),
+        ({"ssm_state_size": 32}, "ssm_state_size"),
+        ({"conv_width": 2}, "conv_width"),
+        ({"model_id": "another model"}, "model_id"),
+        ({"kv_heads": 8}, "kv_heads: local 4 vs peer 8"),
+        ({"ssm_heads": 16}, "ssm_heads"),
+        ({"conv_sections": (64, 16, 16)}, "conv_sections: local [64, 32, 32] vs peer [64, 16, 16]"),
+        (
+            {"layer_kinds": ("attention", "mamba", "mlp", "mamba", "attention", "moe")},
+            "layer_kinds",
+        ),
+        (
+            {"layer_kinds": ("mamba", "attention", "mlp", "mamba", "attention", "mlp")},
+            "layer_kinds",
+        ),
+        ({"layer_kinds": LAYER_KINDS[:-1]}, "layer_kinds"),
+    ],
+)
+def test_any_difference_in_what_shapes_the_bytes_changes_the_hash(change, named):
+    local, peer = layout(), layout(**change)
+    assert local.compatibility_hash() != peer.compatibility_hash()
+    with pytest.raises(LayoutMismatch, match="peer layout is incompatible") as info:
+        check_compatible(local, peer)
+    assert named in str(info.value)
+    # Exactly the changed field is named (nothing else differs).
+    assert str(info.value).count(" vs peer ") == 1
+
+
+def test_a_mismatch_on_another_tp_size_is_still_found():
+    """Per-rank sizes that merely look equal are not enough: TP 2 with 2 heads per rank is 4
+    heads in all, TP 1 with 2 heads is 2."""
+    local = layout(kv_heads=2)
+    peer = dataclasses.replace(
+        layout(tp=2, kv_heads=4), kv_heads_per_layer=local.kv_heads_per_layer
+    )
+    assert peer.kv_heads_per_rank == local.kv_heads_per_rank == 2
+    with pytest.raises(LayoutMismatch, match="kv_heads: local 2 vs peer 4"):
+        check_compatible(local, peer)
+
+
+@pytest.mark.parametrize(("local_tp", "peer_tp"), [(2, 3), (3, 2), (4, 6)])
+def test_tensor_parallel_sizes_must_divide_each_other(local_tp, peer_tp):
+    full = {"kv_heads": 12, "ssm_heads": 12, "conv_sections": (48, 24, 24)}
+    local, peer = layout(tp=local_tp, **full), layout(tp=peer_tp, **full)
+    assert local.compatibility_hash() == peer.compatibility_hash()
+    with pytest.raises(
+        LayoutMismatch,
+        match=f"tensor_parallel_size {local_tp} vs {peer_tp}: one must divide the other",
+    ):
+        check_compatible(local, peer)
+
+
+def test_kv_heads_per_rank_is_the_first_non_zero_layer():
+    """Spec 4.2: layer 0 of a hybrid is often Mamba (0 heads); an attention-free stage has 0."""
+    assert layout(kv_heads=4).kv_heads_per_layer == (0, 4, 0, 0, 4, 0)
+    assert layout(kv_heads=4).kv_heads_per_rank == 4
+    assert layout(tp=2, kv_heads=4).kv_heads_per_rank == 2
+    assert layout(kv_heads=4).num_attention_layers == 2
+    assert layout().num_mamba_layers == 2
+    mamba_only = layout(layer_kinds=("mamba", "mlp", "mamba"))
+    assert mamba_only.kv_heads_per_rank == 0
+    assert mamba_only.num_attention_layers == 0
+    assert mamba_only.full_geometry()["kv_heads"] == 0
+
+
+def test_a_layout_round_trips_through_its_dict():
+    original = layout(tp=2, rank=1)
+    assert PeerLayout.from_dict(original.to_dict()) == original
+    # Lists (as msgpack returns them) become tuples again.
+    data = {k: list(v) if isinstance(v, tuple) else v for k, v in original.to_dict().items()}
+    restored = PeerLayout.from_dict(data)
+    assert restored == original
+    assert restored.compatibility_hash() == original.compatibility_hash()
