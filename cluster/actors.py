@@ -50,8 +50,13 @@ class RouterActor:
         self.router.remove_engine(name)
 
     def set_policy(self, policy: str) -> None:
-        """Benchmarks compare policies on one deployment."""
-        self.router.config = self.router.config.model_copy(update={"policy": policy})
+        """Benchmarks compare policies on one deployment (each starts from the same state)."""
+        self.router.set_policy(policy)
+
+    def clear_index(self) -> None:
+        """Every engine's caches were just cleared: forget their entries now, rather than
+        when their removal events arrive."""
+        self.index.clear()
 
     def score(self, token_ids: list[int], cache_salt: str | None) -> dict[str, dict[str, Any]]:
         return {k: asdict(v) for k, v in self.index.score(token_ids, cache_salt).items()}

@@ -223,9 +223,12 @@ class OpenAIIngress:
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request; aborts it everywhere if the consumer stops early."""
         router, engines = topology["router"], topology["engines"]
+        # 1. route: which engine prefills (None: the decode engine itself) and which decodes
         route = await router.route.remote(request.prompt_token_ids, request.cache_salt)
         decode = engines[route["decode"]]
         prefill_name = route["prefill"]
+        # 2. stream from the decode engine; with a prefill engine, it asks that one to
+        #    prefill and transfer, and streams the first token from its result
         if prefill_name is None:
             stream = decode.generate.options(num_returns="streaming").remote(request.to_dict())
         else:
@@ -240,6 +243,7 @@ class OpenAIIngress:
             route["reason"],
             route["expected_cached_tokens"],
         )
+        # 3. release the engines' load as each is done; abort everywhere if cut short
         finished = False
         holding = [e for e in (prefill_name, route["decode"]) if e is not None]
         try:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -24,6 +26,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hybridserve.cluster.config import API_KEYS_ENV, ServiceConfig
+from hybridserve.cluster.router import Policy
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.sampling_params import SamplingParams
 
@@ -136,6 +140,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(generate)
     generate.set_defaults(handler=_generate)
 
+    serve = commands.add_parser(
+        "serve",
+        formatter_class=formatter,
+        help="serve the OpenAI API from prefill + decode engines on Ray",
+        description="Start a local Ray cluster on loopback (or join RAY_ADDRESS), start the "
+        "engines and serve the OpenAI-compatible API until interrupted.",
+    )
+    add_service_options(serve)
+    add_model_options(serve, EngineConfig, skip=("role",))
+    _add_common(serve)
+    serve.set_defaults(handler=_serve)
+
+    bench = commands.add_parser(
+        "bench", formatter_class=formatter, help="benchmarks against a running service"
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    multiturn = benchmarks.add_parser(
+        "multiturn",
+        formatter_class=formatter,
+        help="multi-turn chat: TTFT and reuse per routing policy",
+        description="Multi-turn chat conversations with shared system prompts against the "
+        "service (or one it launches); TTFT and reused tokens per routing policy, against "
+        "what an ideal cache could reuse.",
+    )
+    from hybridserve.cluster import bench_multiturn
+
+    bench_multiturn.add_arguments(multiturn)
+    _add_common(multiturn)
+    multiturn.set_defaults(handler=lambda args, parser: bench_multiturn.run(args))
+
     export = commands.add_parser(
         "export-tiny",
         formatter_class=formatter,
@@ -183,6 +217,77 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             print(output.text)
     return 0
+
+
+def add_service_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("service options")
+    group.add_argument("--num-prefill", type=int, default=1, help="prefill engines (default: 1)")
+    group.add_argument("--num-decode", type=int, default=1, help="decode engines (default: 1)")
+    group.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    group.add_argument(
+        "--policy",
+        choices=typing.get_args(Policy),
+        default="snapshot-aware",
+        help="routing policy (default: snapshot-aware)",
+    )
+    group.add_argument(
+        "--decode-prefill-threshold",
+        type=int,
+        default=256,
+        help="a decode engine holding a conversation prefills the next turn itself when at "
+        "most this many prompt tokens are uncached there (default: 256)",
+    )
+    group.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"accepted bearer key (repeat; also {API_KEYS_ENV}); none: no authentication",
+    )
+    group.add_argument("--served-model-name", help="model id for clients (default: from --model)")
+    group.add_argument("--torch-threads", type=int, help="CPU threads per engine")
+
+
+def service_config(args: argparse.Namespace) -> dict[str, Any]:
+    """A ServiceConfig dict from `serve`-style options."""
+    engine = model_values(args, EngineConfig)
+    model = engine.pop("model", "tiny")
+    config: dict[str, Any] = {
+        "model": model,
+        "num_prefill": args.num_prefill,
+        "num_decode": args.num_decode,
+        "engine": engine,
+        "router": {
+            "policy": args.policy,
+            "decode_prefill_threshold": args.decode_prefill_threshold,
+        },
+        "api_keys": args.api_key,
+        "served_model_name": args.served_model_name,
+        "torch_threads": args.torch_threads,
+    }
+    return ServiceConfig(**config).model_dump()
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hybridserve.cluster import local
+
+    config = service_config(args)
+    local.connect_ray()
+    try:
+        url = local.deploy(config, host=args.host, port=args.port)
+        print(f"hybridserve: serving {config['model']} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("hybridserve: shutting down", flush=True)
+    finally:
+        local.shutdown()
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _export_tiny(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

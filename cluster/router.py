@@ -77,6 +77,10 @@ class Router:
         self.load: Counter[str] = Counter()
         self._turns = itertools.count()
 
+    def set_policy(self, policy: Policy) -> None:
+        self.config = self.config.model_copy(update={"policy": policy})
+        self._turns = itertools.count()
+
     def remove_engine(self, name: str) -> None:
         """A dead engine: never routed to again, and its index entries are dropped."""
         for engines in (self.prefill_engines, self.decode_engines):
