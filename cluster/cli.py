@@ -276,12 +276,16 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         url = local.deploy(config, host=args.host, port=args.port)
         print(f"hybridserve: serving {config['model']} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        # Explicitly: a shell starting us in the background leaves SIGINT ignored.
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("hybridserve: shutting down", flush=True)
     finally:
+        # A second Ctrl-C must not cut the shutdown short (engines drain, actors go).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         local.shutdown()
     return 0
 

@@ -51,8 +51,13 @@ def coordinator() -> Any:
 
 
 def shutdown() -> None:
+    """Take the service down. On a cluster we joined, only our application goes (others may
+    run Serve apps there too); a cluster we started goes entirely."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if os.environ.get("RAY_ADDRESS"):
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
     ray.shutdown()
