@@ -31,23 +31,25 @@ from hybridserve.cluster.coordinator import Coordinator
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.metrics import ServiceMetrics
 from hybridserve.cluster.openai_protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    ResponseMeta,
-    StopStringMatcher,
-    Usage,
     derive_cache_salt,
     model_not_found,
+    validation_error,
+)
+from hybridserve.cluster.openai_responses import (
+    SSE_DONE,
+    ResponseMeta,
+    Usage,
     models_list,
     response_body,
     sse_error,
     sse_event,
     stream_chunk,
     usage_chunk,
-    validation_error,
 )
+from hybridserve.cluster.stop_strings import StopStringMatcher
 from hybridserve.workers.models.loader import open_checkpoint
 
 logger = logging.getLogger(__name__)

@@ -1,20 +1,17 @@
-"""The OpenAI-compatible HTTP contract: request models, errors, stop strings and response bodies.
+"""The OpenAI-compatible requests: request models, errors, sampling limits and cache salts.
 
 Requests parse with pydantic: unknown fields are ignored as OpenAI does, but wrong types and
 ranges raise, and `validation_error` turns that into the OpenAI 400 body. Once the prompt is
 tokenized, `to_sampling_params` checks what only the engine's limits can decide (context length,
-vocabulary) and builds the engine's `SamplingParams`. Responses are plain dicts in OpenAI's shape
-plus vLLM's extension names. No FastAPI or Ray import: the app adapts these to HTTP.
+vocabulary) and builds the engine's `SamplingParams`. `derive_cache_salt` scopes the request's
+`cache_salt` to its tenant. Response bodies live in `openai_responses`, the stop-string matcher
+in `stop_strings`. No FastAPI or Ray import: the app adapts these to HTTP.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -28,8 +25,6 @@ from pydantic import (
 )
 
 from hybridserve.workers.sampling_params import SamplingParams
-
-OpenAIFinishReason = Literal["stop", "length"]  # the engine's "abort"/"error" become error events
 
 MAX_STOP_SEQUENCES = 4
 
@@ -361,191 +356,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation as the chat template takes it: [{"role", "content"}]."""
         return [{"role": m.role, "content": m.content} for m in self.messages]
-
-
-# ----------------------------------------------------------------------------------------------
-# Stop strings
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StopMatch:
-    text: str  # safe to emit now
-    stopped: bool  # a stop string was hit: `text` ends right before it, and nothing follows
-
-
-class StopStringMatcher:
-    """Cuts streamed text at the first stop string; the stop string itself is not emitted.
-
-    Text that could still become a stop string is held back until the next delta decides it:
-
-        emitted | held (a proper prefix of some stop) | next delta ...
-
-    Call `flush()` when generation ends without a hit to release the held text.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        assert all(stops), "empty stop strings match everywhere"
-        self._stops = tuple(stops)
-        self._held = ""
-        self._stopped = False
-
-    def feed(self, delta: str) -> StopMatch:
-        if self._stopped:
-            return StopMatch("", True)
-        text = self._held + delta
-        hits = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
-        if hits:
-            self._held, self._stopped = "", True
-            return StopMatch(text[: min(hits)], True)
-        keep = max((self._overlap(text, stop) for stop in self._stops), default=0)
-        self._held = text[len(text) - keep :]
-        return StopMatch(text[: len(text) - keep], False)
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-    @staticmethod
-    def _overlap(text: str, stop: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-        for length in range(min(len(text), len(stop) - 1), 0, -1):
-            if stop.startswith(text[-length:]):
-                return length
-        return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# Responses
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseMeta:
-    """What every body or chunk of one response shares; make one per request with `new`."""
-
-    id: str
-    model: str
-    created: int
-    chat: bool
-
-    @classmethod
-    def new(cls, model: str, *, chat: bool) -> ResponseMeta:
-        prefix = "chatcmpl" if chat else "cmpl"
-        return cls(f"{prefix}-{uuid.uuid4().hex}", model, int(time.time()), chat)
-
-    def _envelope(self, stream: bool) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if stream else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-
-def _build(
-    meta: ResponseMeta,
-    stream: bool,
-    choice: dict[str, Any],
-    token_ids: Sequence[int] | None,
-    prompt_token_ids: Sequence[int] | None,
-) -> dict[str, Any]:
-    # NOTE: vLLM's return_token_ids layout: `token_ids` sits in the choice; `prompt_token_ids`
-    # too for completions, but on the response itself for chat.
-    body = meta._envelope(stream)
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    if prompt_token_ids is not None:
-        (body if meta.chat else choice)["prompt_token_ids"] = list(prompt_token_ids)
-    body["choices"] = [choice]
-    return body
-
-
-def response_body(
-    meta: ResponseMeta,
-    text: str,
-    finish_reason: OpenAIFinishReason,
-    usage: Usage,
-    *,
-    token_ids: Sequence[int] | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """A non-streaming `text_completion` or `chat.completion` body (by `meta.chat`)."""
-    if meta.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-    else:
-        choice = {"index": 0, "text": text}
-    choice |= {"logprobs": None, "finish_reason": finish_reason}
-    body = _build(meta, False, choice, token_ids, prompt_token_ids)
-    body["usage"] = usage.to_dict()
-    return body
-
-
-def stream_chunk(
-    meta: ResponseMeta,
-    text: str,
-    finish_reason: OpenAIFinishReason | None = None,
-    *,
-    first: bool = False,
-    token_ids: Sequence[int] | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """One streamed delta; the first chat chunk carries `role`, the last one `finish_reason`.
-
-    With return_token_ids, pass `token_ids` (this delta's) on every chunk and `prompt_token_ids`
-    on the first.
-    """
-    if meta.chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
-    else:
-        choice = {"index": 0, "text": text}
-    choice |= {"logprobs": None, "finish_reason": finish_reason}
-    return _build(meta, True, choice, token_ids, prompt_token_ids)
-
-
-def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
-    """The `stream_options.include_usage` chunk, sent after the finish chunk, before [DONE]."""
-    return meta._envelope(True) | {"choices": [], "usage": usage.to_dict()}
-
-
-def models_list(model_ids: Sequence[str], created: int | None = None) -> dict[str, Any]:
-    """GET /v1/models."""
-    created = int(time.time()) if created is None else created
-    return {
-        "object": "list",
-        "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "hybridserve"}
-            for model_id in model_ids
-        ],
-    }
-
-
-# Server-sent events: `data: <json>\n\n` per chunk, then `data: [DONE]\n\n`. A stream that fails
-# midway ends with one error event and no [DONE], so clients cannot mistake it for a success.
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def sse_error(error: OpenAIError) -> str:
-    return sse_event(error.body())
 
 
 # ----------------------------------------------------------------------------------------------
