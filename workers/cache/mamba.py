@@ -55,6 +55,11 @@ class SnapshotPool:
         if snapshot in self._lru:
             self._lru.move_to_end(snapshot)
 
+    def demote(self, snapshot: Snapshot) -> None:
+        """Make `snapshot` the next to evict (it has been superseded)."""
+        if snapshot in self._lru:
+            self._lru.move_to_end(snapshot, last=False)
+
     def release(self, snapshot: Snapshot) -> None:
         """Give the snapshot's device slot back (the snapshot keeps existing only if it has a
         host copy)."""

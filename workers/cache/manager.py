@@ -101,6 +101,8 @@ class _RequestCache:
     # partial node's block is the tree's own copy.
     path: list[TreeNode] = field(default_factory=list)
     num_committed_tokens: int = 0
+    # The deepest snapshot on this request's path so far (restored or committed).
+    snapshot: Snapshot | None = None
 
 
 class HybridCacheManager:
@@ -302,7 +304,7 @@ class HybridCacheManager:
         request.num_computed_tokens = reused
         if request.num_preemptions == 0:
             request.num_cached_tokens = reused
-        self._requests[request.request_id] = _RequestCache(list(shared), reused)
+        self._requests[request.request_id] = _RequestCache(list(shared), reused, snapshot)
         self._record_lookup(reuse, request)
         return Allocation(new_ids, live_slot, reused)
 
@@ -483,6 +485,15 @@ class HybridCacheManager:
         self.states.snapshots.attach(snapshot, slot)
         node.snapshot = snapshot
         self._events.append(_snapshot_stored(node, coverage))
+        # NOTE: a deeper snapshot on the same path supersedes the request's previous one for
+        # anything that continues this sequence (the next turn of a conversation); only a
+        # fork between the two still needs it, so it becomes the first to evict.
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            previous = state.snapshot
+            if previous is not None and previous.slot is not None and previous is not snapshot:
+                self.states.snapshots.demote(previous)
+            state.snapshot = snapshot
 
     # ---- release --------------------------------------------------------------------------
 

@@ -539,6 +539,22 @@ def test_a_full_snapshot_pool_evicts_the_oldest_snapshot(snapshots, reused):
     assert_cache_at_baseline(cache)
 
 
+def test_a_snapshot_superseded_on_its_own_path_is_evicted_before_older_ones():
+    cache = make_prefix_cache(4, 16, snapshots=3)
+    run(cache, make_request("a", prompt=tokens(9, OTHER)), 8, 9, points=[8])  # oldest
+    run(cache, make_request("b", prompt=tokens(9)), 4, 8, 9, points=[4, 8])  # 4 superseded
+    cache.take_events()
+    run(cache, make_request("c", prompt=tokens(5, 2 * OTHER)), 4, 5, points=[4])
+    # C's snapshot takes the slot of B's snapshot at 4, not the least recently used one (A's).
+    events = cache.take_events()
+    assert SnapshotRemoved(key_of(tokens(4), 4), 4) in events
+    assert not any(isinstance(e, SnapshotRemoved) and e.coverage == 8 for e in events)
+    assert reuse_of(cache, tokens(10, OTHER))[0] == 8
+    assert reuse_of(cache, tokens(10))[0] == 8
+    assert reuse_of(cache, [*tokens(6), 7_777, 7_778])[0] == 0  # the fork at 4 is gone
+    assert_cache_at_baseline(cache)
+
+
 def test_without_snapshot_slots_blocks_are_committed_but_nothing_is_reusable():
     cache = small_cache(snapshots=0)
     commit_nine(cache)
