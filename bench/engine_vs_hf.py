@@ -14,8 +14,6 @@ output tokens/s counts only tokens some request asked for. Also: prefill tokens/
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -23,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import build_checkpoint, machine, write_result
 
 from hybridserve.workers import LLM, SamplingParams
 
@@ -36,44 +35,6 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
-
-
-def build_checkpoint(folder: Path, quick: bool) -> None:
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(0)
-    size = (
-        dict(
-            hidden_size=128,
-            intermediate_size=256,
-            mamba_num_heads=8,
-            mamba_head_dim=32,
-            ssm_state_size=32,
-        )
-        if quick
-        else dict(
-            hidden_size=512,
-            intermediate_size=1536,
-            mamba_num_heads=16,
-            mamba_head_dim=64,
-            ssm_state_size=64,
-        )
-    )
-    config = NemotronHConfig(
-        vocab_size=4096,
-        hybrid_override_pattern="M-M*-M-M*-M-",
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        n_groups=2,
-        chunk_size=128,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        time_step_min=1e-6,
-        **size,
-    )
-    NemotronHForCausalLM(config).save_pretrained(folder)
 
 
 def make_workload(
@@ -225,11 +186,7 @@ def main() -> None:
             "hf_batching": "static batches of `concurrency`, "
             "left padding, decode to the batch's longest output",
         },
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "repeats": args.repeats,
         "throughput": rows,
         "prefill": {
@@ -239,10 +196,7 @@ def main() -> None:
             "ratio": ours_prefill / hf_prefill,
         },
     }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -19,55 +19,15 @@ and at the end the snapshot bytes per request and the reuse statistics.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import build_checkpoint, machine, write_result
 
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
-
-
-def build_checkpoint(folder: Path, quick: bool) -> None:
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(0)
-    size = (
-        dict(
-            hidden_size=128,
-            intermediate_size=256,
-            mamba_num_heads=8,
-            mamba_head_dim=32,
-            ssm_state_size=32,
-        )
-        if quick
-        else dict(
-            hidden_size=512,
-            intermediate_size=1536,
-            mamba_num_heads=16,
-            mamba_head_dim=64,
-            ssm_state_size=64,
-        )
-    )
-    config = NemotronHConfig(
-        vocab_size=4096,
-        hybrid_override_pattern="M-M*-M-M*-M-",
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        n_groups=2,
-        chunk_size=128,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        time_step_min=1e-6,
-        max_position_embeddings=8192,
-        **size,
-    )
-    NemotronHForCausalLM(config).save_pretrained(folder)
 
 
 class TimedEngine:
@@ -192,19 +152,12 @@ def main() -> None:
             "user_tokens": user_len,
             "answer_tokens": answer_len,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "turns": rows,
         "snapshot_bytes_per_request": slot_bytes,
         "cache_stats": stats.__dict__,
     }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

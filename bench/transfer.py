@@ -31,8 +31,6 @@ pages) made both backends ~30% faster in one run at 256 MiB on the 2-core VM.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import socket
 import statistics
@@ -40,12 +38,12 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
+from common import machine, write_result
 
 from hybridserve.transceiver.base import Pools, RegionCopy, region_copies
 from hybridserve.transceiver.channel import Channel, TransferFailed
@@ -402,19 +400,12 @@ def main() -> None:
             "seed": args.seed,
             "timed_window": "ReceivePlan sent -> backend.receive done + TransferDone received",
         },
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "skipped": skipped,
         "targets": {f"{b}_fraction_of_memcpy": t for b, t in TARGETS.items()},
         "rows": rows,
     }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":
