@@ -62,23 +62,33 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
-class _Detokenizer:
-    """Text deltas of a growing token list; holds back an incomplete UTF-8 tail."""
+class Detokenizer:
+    """Text deltas of a growing token list, holding back an incomplete UTF-8 tail.
+
+    Decodes only a short window per call (vLLM's prefix/read offsets), not the whole output:
+
+        token_ids: | emitted and settled ...... | prefix | read ...... |
+                                                ^ prefix_offset       (text of the prefix
+                                                         ^ read_offset  window is known)
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.num_emitted_chars = 0
+        self.prefix_offset = 0
+        self.read_offset = 0
 
     def feed(self, token_ids: list[int], final: bool) -> str:
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.token_ids)
-        end = len(text) if final else len(text.rstrip("\ufffd"))
-        delta = text[self.num_emitted_chars : end]
-        self.num_emitted_chars = max(self.num_emitted_chars, end)
-        return delta
+        window = self.token_ids[self.prefix_offset :]
+        prefix_text = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
+        text = self.tokenizer.decode(window)
+        if not final and (len(text) <= len(prefix_text) or text.endswith("\ufffd")):
+            return ""  # nothing new, or a character still missing bytes
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return text[len(prefix_text) :]
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -283,7 +293,7 @@ class OpenAIIngress:
     ) -> AsyncIterator[tuple[str, list[int], str | None]]:
         """(text delta, token ids, finish reason) per event, with stop strings applied.
         Raises OpenAIError(500) for an engine-side error."""
-        detokenizer = _Detokenizer(self.tokenizer)
+        detokenizer = Detokenizer(self.tokenizer)
         matcher = StopStringMatcher(body.stop or [])
         start = time.monotonic()
         last = start
