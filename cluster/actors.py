@@ -53,11 +53,6 @@ class RouterActor:
         """Benchmarks compare policies on one deployment (each starts from the same state)."""
         self.router.set_policy(policy)
 
-    def clear_index(self) -> None:
-        """Every engine's caches were just cleared: forget their entries now, rather than
-        when their removal events arrive."""
-        self.index.clear()
-
     def score(self, token_ids: list[int], cache_salt: str | None) -> dict[str, dict[str, Any]]:
         return {k: asdict(v) for k, v in self.index.score(token_ids, cache_salt).items()}
 
@@ -90,6 +85,7 @@ class EngineActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        self.router = router
         sink = None
         if router is not None:
 
@@ -113,8 +109,12 @@ class EngineActor:
         return self.worker.check_integrity()
 
     async def clear_cache(self) -> None:
-        with self.worker.lock:
-            self.worker.engine.clear_cache()
+        """Drop every cached block and snapshot; returns once the router has applied the
+        removal events (a call to the same synchronous actor from this thread runs after
+        the events this thread sent before it)."""
+        self.worker.clear_cache()
+        if self.router is not None:
+            await self.router.apply_events.remote(self.worker.name, [])
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for event in self.worker.generate(GenerateRequest.from_dict(request)):

@@ -192,22 +192,6 @@ async def run_policy(
     return records, duration
 
 
-def _wait_until_index_empty(coordinator: Any, timeout_s: float = 10.0) -> None:
-    # NOTE: engines publish the clear's cache events from their stepping thread, and the router
-    # applies them asynchronously; a policy must not start routing on the previous one's index.
-    start = time.monotonic()
-    deadline = start + timeout_s
-    while True:
-        router = coordinator.stats.remote().result()["router"]
-        if router["num_blocks"] == 0 and router["num_snapshots"] == 0:
-            logger.info("prefix index empty after %.3f s", time.monotonic() - start)
-            return
-        if time.monotonic() > deadline:
-            logger.warning("the prefix index still holds %s after clear_caches", router)
-            return
-        time.sleep(0.05)
-
-
 def launch_config(args: Any) -> dict[str, Any]:
     from hybridserve.cluster.config import ServiceConfig
 
@@ -409,8 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 asyncio.run(warm_up(base_url, args, num_warmup))
             for policy in policies:
                 coordinator.set_policy.remote(policy).result()
-                coordinator.clear_caches.remote().result()
-                _wait_until_index_empty(coordinator)
+                coordinator.clear_caches.remote().result()  # returns once the index is empty
                 records, duration = asyncio.run(run_policy(base_url, workload, args, policy))
                 results[policy] = summarize(records, oracle_tokens(records), duration, percentiles)
         finally:

@@ -104,7 +104,6 @@ class Coordinator:
         await asyncio.gather(
             *(h.clear_cache.remote() for n, h in self.engines.items() if n not in self.dead)
         )
-        await self.router.clear_index.remote()
 
     async def __del__(self) -> None:
         timeout = self.config.drain_timeout_s

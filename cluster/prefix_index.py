@@ -169,11 +169,6 @@ class PrefixIndex:
         if self.views.pop(name, None) is not None:
             logger.info("prefix index: dropped engine %s", name)
 
-    def clear(self) -> None:
-        """Forget every entry (the engines stay tracked)."""
-        for name, view in self.views.items():
-            self.views[name] = EngineView(view.block_size, view.partial_reuse)
-
     def apply(self, name: str, events: Iterable[CacheEvent | dict[str, Any]]) -> None:
         """Events of one engine, in the order it emitted them (dicts from the wire, or
         event objects)."""

@@ -261,6 +261,12 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
+    def clear_cache(self) -> None:
+        """Drop every cached block and snapshot and send the removal events now."""
+        with self.lock:
+            self.engine.clear_cache()
+        self._flush_cache_events()
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is here; True if it was known."""
         with self.lock:

@@ -273,6 +273,16 @@ def test_metrics_expose_request_and_hybrid_counters(service):
     assert httpx.get(f"{service.base_url}/metrics").status_code == 401
 
 
+def test_clearing_the_caches_empties_the_prefix_index_at_once(service):
+    client(service).completions.create(model="tiny", prompt=PROMPT * 2, max_tokens=2)
+    router = service.topology()["router"]
+    assert ray.get(router.stats.remote())["num_blocks"] > 0
+    service.coordinator.clear_caches.remote().result()
+    stats = ray.get(router.stats.remote())
+    assert (stats["num_blocks"], stats["num_snapshots"]) == (0, 0)
+    assert_at_baseline(service)
+
+
 def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
     """Runs last: it leaves the service with one decode engine."""
     stream = client(service).completions.create(
