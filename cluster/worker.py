@@ -29,7 +29,6 @@ from typing import Any
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.transceiver.base import Pools
 from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
-from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
 from hybridserve.workers.cache.events import CacheEvent, event_to_dict
@@ -59,23 +58,6 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-class _DecodePort:
-    """The engine as the transfer receiver sees it; a failed receive ending the request
-    (policy `fail`) reaches its stream through the engine's next step."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def prepare_receive(self, message: TransferRequest) -> ReceivePlan:
-        return self.engine.prepare_receive(message)
-
-    def complete_receive(self, request_id: str) -> None:
-        self.engine.complete_receive(request_id)
-
-    def fail_receive(self, request_id: str, reason: str, *, writer_done: bool) -> Any:
-        return self.engine.fail_receive(request_id, reason, writer_done=writer_done)
-
-
 class EngineWorker:
     def __init__(
         self,
@@ -101,8 +83,10 @@ class EngineWorker:
         self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
         self._backend = create_backend(engine_config.transfer_backend, self._pools)
         if self.role == "decode":
+            # NOTE: a receive that fails under policy `fail` ends the request inside the
+            # engine, which reports it on its next step: it reaches the stream from there.
             self.receiver = TransferReceiver(
-                _DecodePort(self.engine),
+                self.engine,
                 self.engine.layout,
                 self._backend,
                 lock=self.lock,
@@ -255,11 +239,8 @@ class EngineWorker:
                 blocks_held=result.blocks_held,
                 bytes_sent=result.bytes_sent,
             ).to_dict()
-        except asyncio.CancelledError:
-            self.abort(request.request_id)
-            raise
         finally:
-            self._close(request.request_id)
+            self._close(request.request_id)  # also when cancelled: aborts it here
 
     def clear_cache(self) -> None:
         """Drop every cached block and snapshot and send the removal events now."""
