@@ -24,8 +24,9 @@ GB/s is bytes moved / seconds (1 GB = 1e9 bytes), for memcpy too (not read + wri
 is warmed up, then repeated; best and median are kept, and the table shows the best. Every
 transferred region is verified (destinations are zeroed first), so a backend that skips bytes
 fails the run instead of reporting a figure. Without nixl the NIXL column says so and is
-skipped. Pools are plain torch allocations (4 KiB pages); `THP_MEM_ALLOC_ENABLE=1` (huge
-pages) made both backends ~30% faster in one run at 256 MiB on the 2-core VM.
+skipped. Pools and the memcpy buffers come from the engine's allocator
+(`workers.pool_memory.zeroed_pool`: 2 MiB aligned, on transparent huge pages where the kernel
+allows), so the ceiling and the backends copy the same kind of memory.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ from hybridserve.transceiver.base import Pools, RegionCopy, region_copies
 from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.protocol import ReceivePlan, TransferDone
 from hybridserve.transceiver.registry import create_backend
+from hybridserve.workers.pool_memory import zeroed_pool
 
 MIB = 1 << 20
+CPU = torch.device("cpu")
 TIMEOUT_S = 120.0
 _BLOB_LENGTH = struct.Struct(">Q")
 # Multiplicative hash (odd, < 2**63): every int64 word of the source pool differs.
@@ -98,7 +101,7 @@ def receive_blob(channel: Channel) -> bytes:
 def serve_sender(args: argparse.Namespace) -> None:
     """Peer mode: register a source pool, then send whatever each ReceivePlan asks for until
     the receiver closes the link."""
-    pool = torch.empty(args.num_regions, args.region_bytes, dtype=torch.uint8)
+    pool = zeroed_pool((args.num_regions, args.region_bytes), torch.uint8, CPU)
     fill_pattern(pool, args.seed)
     backend = create_backend(args.serve_sender, Pools(pool, None, None))
     channel = Channel.connect(("127.0.0.1", args.port), TIMEOUT_S)
@@ -136,9 +139,9 @@ class Memcpy:
     torch's `copy_` (its intra-op threads) and with numpy's single-threaded `copyto`."""
 
     def __init__(self, nbytes: int) -> None:
-        self.src = torch.empty(nbytes, dtype=torch.uint8)
+        self.src = zeroed_pool((nbytes,), torch.uint8, CPU)
         fill_pattern(self.src.view(1, -1), seed=1)
-        self.dst = torch.empty_like(self.src)
+        self.dst = zeroed_pool((nbytes,), torch.uint8, CPU)
         self.dst.copy_(self.src)  # warm-up: faults the destination pages in
         np.copyto(self.dst.numpy(), self.src.numpy())
 
@@ -161,7 +164,7 @@ class Receiver:
     that several senders start in parallel). `close` works in either state."""
 
     def __init__(self, backend: str, num_regions: int, region_bytes: int, seed: int) -> None:
-        self.pool = torch.zeros(num_regions, region_bytes, dtype=torch.uint8)  # pages touched
+        self.pool = zeroed_pool((num_regions, region_bytes), torch.uint8, CPU)  # pages touched
         self.backend = create_backend(backend, Pools(self.pool, None, None))
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)

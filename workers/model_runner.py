@@ -16,6 +16,7 @@ from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.pool_memory import zeroed_pool
 from hybridserve.workers.sampler import Sampler, SamplingRow, mix_seed
 from hybridserve.workers.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -93,34 +94,27 @@ class ModelRunner:
         cfg = self.model_config
         kv = conv = ssm = None
         if cfg.attention is not None:
-            kv = torch.zeros(
-                self.num_kv_blocks,
-                cfg.num_attention_layers,
-                2,
-                cfg.attention.num_kv_heads,
-                self.block_size,
-                cfg.attention.head_dim,
-                dtype=self.dtype,
-                device=self.device,
+            kv = zeroed_pool(
+                (
+                    self.num_kv_blocks,
+                    cfg.num_attention_layers,
+                    2,
+                    cfg.attention.num_kv_heads,
+                    self.block_size,
+                    cfg.attention.head_dim,
+                ),
+                self.dtype,
+                self.device,
             )
         if cfg.mamba is not None:
             spec, slots, layers = cfg.mamba, self.num_mamba_slots, cfg.num_mamba_layers
-            conv = torch.zeros(
-                slots,
-                layers,
-                spec.conv_dim,
-                spec.conv_kernel - 1,
-                dtype=self.dtype,
-                device=self.device,
+            conv = zeroed_pool(
+                (slots, layers, spec.conv_dim, spec.conv_kernel - 1), self.dtype, self.device
             )
-            ssm = torch.zeros(
-                slots,
-                layers,
-                spec.num_heads,
-                spec.head_dim,
-                spec.state_size,
-                dtype=DTYPES[self.config.mamba_ssm_dtype],
-                device=self.device,
+            ssm = zeroed_pool(
+                (slots, layers, spec.num_heads, spec.head_dim, spec.state_size),
+                DTYPES[self.config.mamba_ssm_dtype],
+                self.device,
             )
         logger.info(
             "caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
