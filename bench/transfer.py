@@ -1,7 +1,8 @@
 """Transfer bandwidth between two OS processes: the NIXL and TCP backends against memcpy.
 
     python bench/transfer.py [--sizes-mib 16 64 256 1024] [--repeats 5] [--region-kib 1024]
-                             [--backends nixl tcp] [--output bench/results/transfer.json]
+                             [--backends nixl tcp] [--streams 2]
+                             [--output bench/results/transfer.json]
 
 For each size, in one run: a same-process copy of that many bytes (the memcpy ceiling: torch
 `copy_` with its intra-op threads, plus numpy's single-threaded `copyto` for reference), then
@@ -50,6 +51,7 @@ from hybridserve.transceiver.base import Pools, RegionCopy, region_copies
 from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.protocol import ReceivePlan, TransferDone
 from hybridserve.transceiver.registry import create_backend
+from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.pool_memory import zeroed_pool
 
 MIB = 1 << 20
@@ -103,7 +105,7 @@ def serve_sender(args: argparse.Namespace) -> None:
     the receiver closes the link."""
     pool = zeroed_pool((args.num_regions, args.region_bytes), torch.uint8, CPU)
     fill_pattern(pool, args.seed)
-    backend = create_backend(args.serve_sender, Pools(pool, None, None))
+    backend = create_backend(args.serve_sender, Pools(pool, None, None), args.streams)
     channel = Channel.connect(("127.0.0.1", args.port), TIMEOUT_S)
     try:
         send_blob(
@@ -163,9 +165,11 @@ class Receiver:
     Construction spawns the sender; `connect` waits for it and swaps backend info (split so
     that several senders start in parallel). `close` works in either state."""
 
-    def __init__(self, backend: str, num_regions: int, region_bytes: int, seed: int) -> None:
+    def __init__(
+        self, backend: str, num_regions: int, region_bytes: int, seed: int, streams: int
+    ) -> None:
         self.pool = zeroed_pool((num_regions, region_bytes), torch.uint8, CPU)  # pages touched
-        self.backend = create_backend(backend, Pools(self.pool, None, None))
+        self.backend = create_backend(backend, Pools(self.pool, None, None), streams)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)
         self.process = subprocess.Popen(
@@ -182,6 +186,8 @@ class Receiver:
                 str(region_bytes),
                 "--seed",
                 str(seed),
+                "--streams",
+                str(streams),
             ],
             stdout=subprocess.DEVNULL,  # NIXL / UCX log lines; errors still reach stderr
         )
@@ -249,7 +255,7 @@ class Receiver:
 
 
 def measure(
-    backends: list[str], sizes: list[int], region_bytes: int, repeats: int, seed: int
+    backends: list[str], sizes: list[int], region_bytes: int, repeats: int, seed: int, streams: int
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds per repeat for memcpy and each backend. Every repeat runs memcpy then each
     backend back to back, so a load spike from elsewhere hits all columns alike."""
@@ -260,7 +266,7 @@ def measure(
     out: dict[str, dict[int, list[float]]] = {name: {} for name in columns}
     try:
         for name in backends:
-            receivers[name] = Receiver(name, num_regions, region_bytes, seed)
+            receivers[name] = Receiver(name, num_regions, region_bytes, seed, streams)
         for receiver in receivers.values():
             receiver.connect()
         for nbytes in sizes:
@@ -365,6 +371,12 @@ def main() -> None:
     parser.add_argument("--region-kib", type=int, default=1024, help="bytes per RegionCopy")
     parser.add_argument("--backends", nargs="+", default=["nixl", "tcp"], choices=["nixl", "tcp"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=EngineConfig.model_fields["transfer_streams"].default,
+        help="nixl streams per transfer on both sides (default: the engine's)",
+    )
     parser.add_argument("--output", default="bench/results/transfer.json")
     # Peer mode (this script spawns itself as the sender).
     parser.add_argument("--serve-sender", help=argparse.SUPPRESS)
@@ -378,10 +390,11 @@ def main() -> None:
 
     region_bytes = args.region_kib * 1024
     sizes = [mib * MIB for mib in args.sizes_mib]
-    if args.repeats < 1 or any(s <= 0 or s % region_bytes for s in sizes):
+    if args.streams < 1 or args.repeats < 1 or any(s <= 0 or s % region_bytes for s in sizes):
         parser.error(
-            f"--repeats must be >= 1 and every size a positive multiple of --region-kib "
-            f"({args.region_kib} KiB); got repeats {args.repeats}, sizes {args.sizes_mib} MiB"
+            "--streams and --repeats must be >= 1 and every size a positive multiple of "
+            f"--region-kib ({args.region_kib} KiB); got streams {args.streams}, repeats "
+            f"{args.repeats}, sizes {args.sizes_mib} MiB"
         )
 
     skipped: dict[str, str] = {}
@@ -389,7 +402,7 @@ def main() -> None:
         print(f"nixl is not importable ({reason}): skipping the nixl column")
         skipped["nixl"] = reason
     running = [b for b in args.backends if b not in skipped]
-    seconds = measure(running, sizes, region_bytes, args.repeats, args.seed)
+    seconds = measure(running, sizes, region_bytes, args.repeats, args.seed, args.streams)
     rows = build_rows(sizes, seconds, args.backends)
     print_table(rows, args.backends, args.repeats)
 
@@ -401,6 +414,7 @@ def main() -> None:
             "region_bytes": region_bytes,
             "backends": args.backends,
             "seed": args.seed,
+            "nixl_streams": args.streams,
             "timed_window": "ReceivePlan sent -> backend.receive done + TransferDone received",
         },
         "machine": machine(),

@@ -81,7 +81,9 @@ class EngineWorker:
         self._transfer_timeout = transfer_timeout
         self.receiver: TransferReceiver | None = None
         self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
-        self._backend = create_backend(engine_config.transfer_backend, self._pools)
+        self._backend = create_backend(
+            engine_config.transfer_backend, self._pools, engine_config.transfer_streams
+        )
         if self.role == "decode":
             # NOTE: a receive that fails under policy `fail` ends the request inside the
             # engine, which reports it on its next step: it reaches the stream from there.

@@ -71,6 +71,13 @@ class EngineConfig(BaseModel):
     transfer_backend: Literal["tcp", "nixl"] = Field(
         "tcp", description="how KV blocks and Mamba state move between engines"
     )
+    transfer_streams: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="nixl: threads that post one transfer's regions in parallel, each on its "
+        "own UCX worker (the tcp backend has one stream)",
+    )
     transfer_lease_seconds: float = Field(
         60.0,
         gt=0,

@@ -40,7 +40,10 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
     engine = engine_for("decode", model, backend, extra)
     lock = threading.Lock()
     receiver = TransferReceiver(
-        engine, engine.layout, create_backend(backend, pools(engine)), lock=lock
+        engine,
+        engine.layout,
+        create_backend(backend, pools(engine), engine.config.transfer_streams),
+        lock=lock,
     )
     emit({"address": list(receiver.address)})
     stop = threading.Event()
@@ -78,7 +81,11 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
     host, port = address.rsplit(":", 1)
     lock = threading.Lock()
     sender = TransferSender(
-        engine, engine.layout, create_backend(backend, pools(engine)), (host, int(port)), lock=lock
+        engine,
+        engine.layout,
+        create_backend(backend, pools(engine), engine.config.transfer_streams),
+        (host, int(port)),
+        lock=lock,
     )
     for line in sys.stdin:
         command = json.loads(line)

@@ -233,14 +233,14 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
         receiver = TransferReceiver(
             decode,
             decode.layout,
-            wrap_receiver(create_backend(backend, pools(decode))),
+            wrap_receiver(create_backend(backend, pools(decode), decode.config.transfer_streams)),
             lock=decode_lock,
             timeout=receiver_timeout,
         )
         sender = TransferSender(
             prefill,
             prefill.layout,
-            wrap_sender(create_backend(backend, pools(prefill))),
+            wrap_sender(create_backend(backend, pools(prefill), prefill.config.transfer_streams)),
             receiver.address,
             lock=prefill_lock,
             timeout=sender_timeout,

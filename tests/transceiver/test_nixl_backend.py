@@ -1,0 +1,89 @@
+"""NIXL streams: a transfer cut into parts, each written from its own thread and UCX worker,
+lands byte for byte whatever stream counts the two sides use."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import torch
+
+from hybridserve.transceiver.base import Pools, RegionCopy
+from hybridserve.transceiver.channel import TransferFailed
+
+nixl_backend = pytest.importorskip("hybridserve.transceiver.nixl_backend")
+pytest.importorskip("nixl._api")
+NixlBackend, split_parts = nixl_backend.NixlBackend, nixl_backend.split_parts
+
+NUM_REGIONS = 12
+REGION_BYTES = 4096
+
+
+def copies(pairs: list[tuple[int, int]]) -> list[RegionCopy]:
+    return [RegionCopy("kv", src, dst) for src, dst in pairs]
+
+
+@pytest.mark.parametrize(
+    ("num_copies", "num_streams", "sizes"),
+    [(0, 2, [0]), (1, 4, [1]), (7, 1, [7]), (7, 2, [3, 4]), (7, 3, [2, 2, 3]), (2, 8, [1, 1])],
+)
+def test_parts_are_contiguous_runs_of_near_equal_size(num_copies, num_streams, sizes):
+    all_copies = copies([(i, i) for i in range(num_copies)])
+    parts = split_parts(all_copies, num_streams)
+    assert [len(p) for p in parts] == sizes
+    assert [c for part in parts for c in part] == all_copies
+
+
+def make_backend(num_streams: int, seed: int | None) -> NixlBackend:
+    pool = torch.zeros(NUM_REGIONS, REGION_BYTES, dtype=torch.uint8)
+    if seed is not None:
+        pool.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    return NixlBackend(Pools(pool, None, None), num_streams)
+
+
+@pytest.mark.parametrize(("sender_streams", "receiver_streams"), [(1, 2), (2, 1), (3, 2)])
+def test_every_region_lands_whatever_the_stream_counts(sender_streams, receiver_streams):
+    sender, receiver = make_backend(sender_streams, seed=7), make_backend(receiver_streams, None)
+    try:
+        to_receiver = sender.add_peer(receiver.local_info())
+        from_sender = receiver.add_peer(sender.local_info())
+        # Scattered destinations; region 11 of the receiver must stay untouched.
+        pairs = [(0, 5), (1, 2), (2, 9), (3, 0), (4, 7), (5, 1), (6, 10)]
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                sender.send(None, to_receiver, "req-1", copies(pairs), timeout=10)
+            except BaseException as exc:  # reported by the assertion below
+                errors.append(exc)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        receiver.receive(None, from_sender, "req-1", copies(pairs), timeout=10)
+        thread.join(10)
+        assert errors == [] and not thread.is_alive()
+        src, dst = sender.pools.kv, receiver.pools.kv
+        for s, d in pairs:
+            assert torch.equal(dst[d], src[s]), (s, d)
+        assert not dst[11].any()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_peer_without_a_stream_count_is_refused():
+    a, b = make_backend(1, None), make_backend(2, None)
+    try:
+        info = msgpack.unpackb(b.local_info(), raw=False)
+        info["streams"] = 0
+        with pytest.raises(TransferFailed, match="stream count 0"):
+            a.add_peer(msgpack.packb(info, use_bin_type=True))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stream_count_below_one_is_an_error():
+    with pytest.raises(ValueError, match="num_streams must be >= 1"):
+        make_backend(0, None)
