@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import strides
+
 
 @triton.heuristics({"HAS_GATE": lambda args: args["gate"] is not None})
 @triton.jit
@@ -82,13 +84,10 @@ def _gated_rms_norm_fwd(
         out=out,
         group_size=group_size,
         eps=eps,
-        stride_x_m=x2.stride(0),
-        stride_x_d=x2.stride(1),
-        stride_g_m=g2.stride(0) if g2 is not None else 0,
-        stride_g_d=g2.stride(1) if g2 is not None else 0,
-        stride_w_d=weight.stride(0),
-        stride_o_m=out.stride(0),
-        stride_o_d=out.stride(1),
+        **strides("x", x2, "m", "d"),
+        **strides("g", g2, "m", "d"),
+        **strides("w", weight, "d"),
+        **strides("o", out, "m", "d"),
         BLOCK_D=BLOCK_D,
         num_warps=num_warps,
     )

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..reference._common import positions_by_seq
 from ..reference.ssd import ChunkScanOutput
+from .launch import strides
 
 __all__ = ["ChunkScanOutput", "mamba_chunk_scan"]
 
@@ -318,8 +319,6 @@ def _mamba_chunk_scan_fwd(
         init_states = ssm_states.index_select(0, initial_state_slots.clamp(min=0).long())
         init_slots = torch.where(valid, torch.arange(num_seqs, device=valid.device), -1)
         init_slots = init_slots.to(torch.int32)
-    ps_strides = position_states.stride() if position_states is not None else (0, 0, 0, 0)
-
     # NOTE: chunking is a tiling choice: any BT gives the same result up to rounding. All block
     # sizes are >= 16 for tl.dot. Sizes and warps keep the per-program registers (state (BN, BP),
     # C and B^T (BT, BN) as dot operands) free of spills at N = 128 (ptxas, sm_90); bigger BT
@@ -356,32 +355,14 @@ def _mamba_chunk_scan_fwd(
         heads_per_group=H // G,
         dt_min=float(dt_limit[0]),
         dt_max=float(dt_limit[1]),
-        stride_x_t=x.stride(0),
-        stride_x_h=x.stride(1),
-        stride_x_p=x.stride(2),
-        stride_dt_t=dt.stride(0),
-        stride_dt_h=dt.stride(1),
-        stride_b_t=B.stride(0),
-        stride_b_g=B.stride(1),
-        stride_b_n=B.stride(2),
-        stride_c_t=C.stride(0),
-        stride_c_g=C.stride(1),
-        stride_c_n=C.stride(2),
-        stride_o_t=out.stride(0),
-        stride_o_h=out.stride(1),
-        stride_o_p=out.stride(2),
-        stride_is_slot=init_states.stride(0),
-        stride_is_h=init_states.stride(1),
-        stride_is_p=init_states.stride(2),
-        stride_is_n=init_states.stride(3),
-        stride_fs_slot=ssm_states.stride(0),
-        stride_fs_h=ssm_states.stride(1),
-        stride_fs_p=ssm_states.stride(2),
-        stride_fs_n=ssm_states.stride(3),
-        stride_ps_k=ps_strides[0],
-        stride_ps_h=ps_strides[1],
-        stride_ps_p=ps_strides[2],
-        stride_ps_n=ps_strides[3],
+        **strides("x", x, "t", "h", "p"),
+        **strides("dt", dt, "t", "h"),
+        **strides("b", B, "t", "g", "n"),
+        **strides("c", C, "t", "g", "n"),
+        **strides("o", out, "t", "h", "p"),
+        **strides("is", init_states, "slot", "h", "p", "n"),
+        **strides("fs", ssm_states, "slot", "h", "p", "n"),
+        **strides("ps", position_states, "k", "h", "p", "n"),
         BT=BT,
         BP=BP,
         BN=BN,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import strides
+
 
 @triton.heuristics(
     {
@@ -178,28 +180,16 @@ def _selective_state_update_fwd(
         heads_per_group=H // G,
         dt_min=float(dt_limit[0]),
         dt_max=float(dt_limit[1]),
-        stride_s_slot=ssm_states.stride(0),
-        stride_s_h=ssm_states.stride(1),
-        stride_s_p=ssm_states.stride(2),
-        stride_s_n=ssm_states.stride(3),
-        stride_x_b=x.stride(0),
-        stride_x_h=x.stride(1),
-        stride_x_p=x.stride(2),
-        stride_dt_b=dt.stride(0),
-        stride_dt_h=dt.stride(1),
-        stride_A_h=A.stride(0),
-        stride_B_b=B.stride(0),
-        stride_B_g=B.stride(1),
-        stride_B_n=B.stride(2),
-        stride_C_b=C.stride(0),
-        stride_C_g=C.stride(1),
-        stride_C_n=C.stride(2),
-        stride_D_h=D.stride(0) if D is not None else 0,
-        stride_dt_bias_h=dt_bias.stride(0) if dt_bias is not None else 0,
-        stride_slots_b=state_slots.stride(0),
-        stride_o_b=out.stride(0),
-        stride_o_h=out.stride(1),
-        stride_o_p=out.stride(2),
+        **strides("s", ssm_states, "slot", "h", "p", "n"),
+        **strides("x", x, "b", "h", "p"),
+        **strides("dt", dt, "b", "h"),
+        **strides("A", A, "h"),
+        **strides("B", B, "b", "g", "n"),
+        **strides("C", C, "b", "g", "n"),
+        **strides("D", D, "h"),
+        **strides("dt_bias", dt_bias, "h"),
+        **strides("slots", state_slots, "b"),
+        **strides("o", out, "b", "h", "p"),
         DT_SOFTPLUS=dt_softplus,
         BLOCK_P=BLOCK_P,
         BLOCK_N=BLOCK_N,
