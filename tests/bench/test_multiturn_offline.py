@@ -3,29 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_run_reuses_every_later_turn(tmp_path):
-    output = tmp_path / "multiturn.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "multiturn_offline.py"),
-            "--quick",
-            "--output",
-            str(output),
-        ],
-        check=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    result = json.loads(output.read_text())
+def test_quick_run_reuses_every_later_turn(run_bench):
+    result = run_bench("multiturn_offline.py", "--quick")
     turns = result["turns"]
     assert turns[-1]["prompt_tokens"] >= 400
     assert turns[0]["cached_tokens"] == 0

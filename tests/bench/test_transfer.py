@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_tiny_run_writes_results(tmp_path):
-    output = tmp_path / "transfer.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "transfer.py"),
-            "--sizes-mib",
-            "1",
-            "--region-kib",
-            "256",
-            "--repeats",
-            "1",
-            "--output",
-            str(output),
-        ],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
+def test_tiny_run_writes_results(run_bench):
+    result = run_bench(
+        "transfer.py", "--sizes-mib", "1", "--region-kib", "256", "--repeats", "1", timeout=300
     )
-    result = json.loads(output.read_text())
     assert result["benchmark"] == "transfer"
     assert result["config"]["region_bytes"] == 256 * 1024
+    assert result["config"]["nixl_streams"] == 2  # the engine default
     [row] = result["rows"]
     assert (row["size_mib"], row["bytes"]) == (1, 1 << 20)
     assert row["memcpy"]["best_gb_per_s"] > 0 and row["memcpy_1thread"]["best_gb_per_s"] > 0
