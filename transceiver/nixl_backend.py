@@ -47,7 +47,7 @@ class NixlBackend(TransferBackend):
         if num_streams < 1:
             raise ValueError(f"num_streams must be >= 1, got {num_streams}")
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
             raise RuntimeError(
                 "transfer backend 'nixl' needs the nixl package (pip install "
@@ -57,9 +57,17 @@ class NixlBackend(TransferBackend):
         # check_remote_xfer_done for the whole transfer, and those calls drive UCX progress.
         # The thread busy-polls (~0.6 of a core per agent, even idle): on 2 cores it cut DRAM
         # writes between two processes from ~3 to ~1 GB/s (bench/transfer.py).
+        # Sync RW: transfers are posted and polled from several threads at once (the streams,
+        # and the endpoint's per-peer senders), so the agent takes its lock shared on the data
+        # path and exclusive for registration and peer changes. (The default without a listen
+        # thread is no lock at all; STRICT would serialise the streams' copies.)
         self.agent = nixl_agent(
             f"hybridserve-{uuid.uuid4().hex[:12]}",
-            nixl_agent_config(enable_prog_thread=False, backends=[]),
+            nixl_agent_config(
+                enable_prog_thread=False,
+                backends=[],
+                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+            ),
         )
         # One UCX worker per stream: NIXL gives each posting thread its own worker.
         self.agent.create_backend("UCX", {"num_workers": str(num_streams)})
