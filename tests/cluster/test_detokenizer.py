@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hybridserve.cluster.app import Detokenizer
+from hybridserve.cluster.detokenizer import Detokenizer
 from hybridserve.workers.models.tiny import tiny_tokenizer
 
 
