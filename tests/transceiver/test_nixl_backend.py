@@ -87,3 +87,41 @@ def test_a_peer_without_a_stream_count_is_refused():
 def test_a_stream_count_below_one_is_an_error():
     with pytest.raises(ValueError, match="num_streams must be >= 1"):
         make_backend(0, None)
+
+
+def test_a_failed_part_fails_the_send_once_every_part_has_ended(monkeypatch):
+    sender, receiver = make_backend(2, seed=7), make_backend(2, None)
+    try:
+        to_receiver = sender.add_peer(receiver.local_info())
+        from_sender = receiver.add_peer(sender.local_info())
+        pairs = copies([(i, i) for i in range(6)])
+        write, ended = sender._write, []
+
+        def fail_first_part(peer, request_id, part, tag, deadline):
+            if tag.endswith(b"#0/2"):
+                raise TransferFailed("injected: part 0 failed")
+            write(peer, request_id, part, tag, deadline)
+            ended.append(tag)
+
+        monkeypatch.setattr(sender, "_write", fail_first_part)
+        # The receiver polls meanwhile (its progress completes the sender's writes), and
+        # never sees part 0's notification: a clear timeout naming the part.
+        received: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                receiver.receive(None, from_sender, "req-2", pairs, timeout=3)
+            except TransferFailed as exc:
+                received.append(exc)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        with pytest.raises(TransferFailed, match="injected"):
+            sender.send(None, to_receiver, "req-2", pairs, timeout=10)
+        assert ended == [b"req-2#1/2"]  # the healthy part finished before the send raised
+        thread.join(10)
+        assert len(received) == 1 and "part 1 of 2" in str(received[0])
+        assert torch.equal(receiver.pools.kv[3:6], sender.pools.kv[3:6])  # part 1 landed
+    finally:
+        sender.close()
+        receiver.close()
