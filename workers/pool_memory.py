@@ -6,8 +6,9 @@ transfer pins and walks 65,536 pages (UCX's CMA path pins page by page); with 2 
 128, and the copies themselves miss the TLB far less. On this project's 2-core VM that lifted
 NIXL from ~35% to ~50-60% of memcpy at 256 MiB (bench/transfer.py).
 
-Linux only hands out huge pages to a range that is 2 MiB aligned and advised *before* its pages
-are first touched, so the pool is carved out of an over-allocated, untouched buffer:
+Under THP=madvise Linux backs a page fault with a huge page only inside an advised, 2 MiB
+aligned range (later collapsing is slow and not guaranteed), so the pool is carved out of an
+over-allocated buffer that nothing has touched yet:
 
     buffer  |<- pad ->|<--------------- pool (2 MiB aligned, advised) --------------->|<- rest ->|
             ^ torch.empty (not yet faulted in)                          madvise, then zero_()
