@@ -9,7 +9,9 @@ Streams: a transfer of several regions is cut into up to `num_streams` parts, ea
 driven by its own thread on its own UCX worker, so copies run in parallel (on host memory UCX
 copies with one `process_vm_writev` per region on the posting thread: one stream used one core,
 2 streams took bench/transfer.py from ~55% to ~75% of memcpy at 256 MiB). Each part notifies
-under its own tag; the receiver cuts the same copy list the same way and waits for every tag.
+under its own tag; the receiver cuts the same copy list the same way and waits for every tag
+(matched exactly, in an inbox of this backend's own: NIXL's lookup helper matches substrings
+and is not safe from several receiving threads).
 
     copies   [r0 r1 r2 r3 r4 r5 r6]             parts = split_parts(copies, 2)
     part 0   [r0 r1 r2]       -> "req#0/2"      thread 0, UCX worker 0
@@ -18,6 +20,8 @@ under its own tag; the receiver cuts the same copy list the same way and waits f
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +32,13 @@ import msgpack
 from hybridserve.transceiver.base import Pools, RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import Channel, TransferFailed
 
+logger = logging.getLogger(__name__)
+
 
 def split_parts(copies: list[RegionCopy], num_streams: int) -> list[list[RegionCopy]]:
-    """Up to `num_streams` contiguous, non-empty runs of `copies`, sizes differing by <= 1."""
-    n = max(1, min(num_streams, len(copies)))
+    """Up to `num_streams` contiguous, non-empty runs of `copies`, sizes differing by <= 1
+    (none for no copies)."""
+    n = min(num_streams, len(copies))
     return [copies[i * len(copies) // n : (i + 1) * len(copies) // n] for i in range(n)]
 
 
@@ -72,11 +79,10 @@ class NixlBackend(TransferBackend):
         # One UCX worker per stream: NIXL gives each posting thread its own worker.
         self.agent.create_backend("UCX", {"num_workers": str(num_streams)})
         self.num_streams = num_streams
-        self._streams = (
-            ThreadPoolExecutor(num_streams, thread_name_prefix="nixl-stream")
-            if num_streams > 1
-            else None
-        )
+        # Stream threads per peer: a slow or dead peer holds only its own (until its timeout).
+        self._streams: dict[str, ThreadPoolExecutor] = {}
+        self._inbox: dict[str, set[bytes]] = {}  # peer -> notifications not yet taken
+        self._inbox_lock = threading.Lock()
         tensors = list(pools.tensors().values())
         self.on_gpu = any(t.is_cuda for t in tensors)
         self.mem_type = "VRAM" if self.on_gpu else "DRAM"
@@ -121,6 +127,10 @@ class NixlBackend(TransferBackend):
         if isinstance(name, bytes):
             name = name.decode()
         self.peers[name] = data
+        if self.num_streams > 1:
+            self._streams[name] = ThreadPoolExecutor(
+                self.num_streams, thread_name_prefix=f"nixl-{name[-12:]}"
+            )
         return name
 
     def _descriptors(
@@ -138,12 +148,20 @@ class NixlBackend(TransferBackend):
     ) -> None:
         deadline = time.monotonic() + timeout
         parts = split_parts(copies, self.num_streams)
-        if self._streams is None or len(parts) == 1:
-            self._write(peer, request_id, copies, part_tag(request_id, 0, 1), deadline)
+        if not parts:
+            return  # the receiver holds everything already: nothing to write or wait for
+        streams = self._streams.get(peer)
+        if len(parts) == 1 or streams is None:
+            self._guarded_write(peer, request_id, copies, part_tag(request_id, 0, 1), deadline)
             return
         futures = [
-            self._streams.submit(
-                self._write, peer, request_id, part, part_tag(request_id, i, len(parts)), deadline
+            streams.submit(
+                self._guarded_write,
+                peer,
+                request_id,
+                part,
+                part_tag(request_id, i, len(parts)),
+                deadline,
             )
             for i, part in enumerate(parts)
         ]
@@ -153,9 +171,22 @@ class NixlBackend(TransferBackend):
         if errors:
             raise errors[0]
 
+    def _guarded_write(
+        self, peer: str, request_id: str, copies: list[RegionCopy], tag: bytes, deadline: float
+    ) -> None:
+        """`_write`, with anything NIXL raises reported as the transfer failure it is."""
+        try:
+            self._write(peer, request_id, copies, tag, deadline)
+        except TransferFailed:
+            raise
+        except Exception as exc:  # nixl raises its own types (NIXL_ERR_* as RuntimeError...)
+            raise TransferFailed(f"request {request_id}: NIXL write failed: {exc}") from exc
+
     def _write(
         self, peer: str, request_id: str, copies: list[RegionCopy], tag: bytes, deadline: float
     ) -> None:
+        if time.monotonic() > deadline:  # queued behind this peer's earlier parts too long
+            raise TransferFailed(f"request {request_id}: NIXL write did not start in time")
         remote = self.peers[peer]
         local_descs = self._descriptors(self.layout, copies, "src", self.mem_type)
         remote_descs = self._descriptors(remote["pools"], copies, "dst", remote["mem_type"])
@@ -170,7 +201,10 @@ class NixlBackend(TransferBackend):
             if state == "ERR":
                 raise TransferFailed(f"request {request_id}: NIXL write failed")
         finally:
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # a write still in flight cannot always be cancelled
+                logger.warning("request %s: NIXL handle not released: %s", request_id, exc)
 
     def receive(
         self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
@@ -179,21 +213,45 @@ class NixlBackend(TransferBackend):
         num_parts = len(split_parts(copies, self.peers[peer]["streams"]))
         for part in range(num_parts):
             tag = part_tag(request_id, part, num_parts)
-            while not self.agent.check_remote_xfer_done(peer, tag, tag_is_prefix=False):
+            while not self._take_notification(peer, tag):
                 if time.monotonic() > deadline:
+                    self._drop_notifications(peer, request_id)
                     raise TransferFailed(
                         f"request {request_id}: no NIXL completion from the peer in {timeout} s "
                         f"(part {part + 1} of {num_parts})"
                     )
                 time.sleep(0.0002)
 
+    def _take_notification(self, peer: str, tag: bytes) -> bool:
+        """Whether `tag` arrived from `peer` (taking it); drains NIXL's new notifications."""
+        with self._inbox_lock:
+            for name, messages in self.agent.get_new_notifs().items():
+                if isinstance(name, bytes):
+                    name = name.decode()
+                self._inbox.setdefault(name, set()).update(messages)
+            inbox = self._inbox.get(peer)
+            if inbox is None or tag not in inbox:
+                return False
+            inbox.remove(tag)
+            return True
+
+    def _drop_notifications(self, peer: str, request_id: str) -> None:
+        """A failed receive: forget the parts that did arrive (no one will take them)."""
+        prefix = f"{request_id}#".encode()
+        with self._inbox_lock:
+            inbox = self._inbox.get(peer, set())
+            inbox.difference_update({m for m in inbox if m.startswith(prefix)})
+
     def remove_peer(self, peer: str) -> None:
+        streams = self._streams.pop(peer, None)
+        if streams is not None:
+            streams.shutdown()
+        with self._inbox_lock:
+            self._inbox.pop(peer, None)
         if self.peers.pop(peer, None) is not None:
             self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
         for peer in list(self.peers):
             self.remove_peer(peer)
-        if self._streams is not None:
-            self._streams.shutdown()
         self.agent.deregister_memory(self._registered)

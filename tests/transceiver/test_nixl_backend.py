@@ -26,7 +26,7 @@ def copies(pairs: list[tuple[int, int]]) -> list[RegionCopy]:
 
 @pytest.mark.parametrize(
     ("num_copies", "num_streams", "sizes"),
-    [(0, 2, [0]), (1, 4, [1]), (7, 1, [7]), (7, 2, [3, 4]), (7, 3, [2, 2, 3]), (2, 8, [1, 1])],
+    [(0, 2, []), (1, 4, [1]), (7, 1, [7]), (7, 2, [3, 4]), (7, 3, [2, 2, 3]), (2, 8, [1, 1])],
 )
 def test_parts_are_contiguous_runs_of_near_equal_size(num_copies, num_streams, sizes):
     all_copies = copies([(i, i) for i in range(num_copies)])
@@ -125,3 +125,59 @@ def test_a_failed_part_fails_the_send_once_every_part_has_ended(monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.fixture
+def linked():
+    """A sender and a receiver with 2 streams each, introduced to one another."""
+    sender, receiver = make_backend(2, seed=3), make_backend(2, None)
+    to_receiver = sender.add_peer(receiver.local_info())
+    from_sender = receiver.add_peer(sender.local_info())
+    yield sender, receiver, to_receiver, from_sender
+    sender.close()
+    receiver.close()
+
+
+def send_while_receiving(linked, send_id: str, receive_id: str, pairs, timeout: float) -> list:
+    """Send `send_id` while the receiver waits for `receive_id`; returns the receive's error
+    (or nothing)."""
+    sender, receiver, to_receiver, from_sender = linked
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(None, from_sender, receive_id, copies(pairs), timeout=timeout)
+        except TransferFailed as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender.send(None, to_receiver, send_id, copies(pairs), timeout=10)
+    thread.join(10)
+    return errors
+
+
+def test_an_empty_transfer_writes_and_waits_for_nothing(linked):
+    sender, receiver, to_receiver, from_sender = linked
+    sender.send(None, to_receiver, "empty", [], timeout=0.1)
+    receiver.receive(None, from_sender, "empty", [], timeout=0.1)
+
+
+def test_completions_match_request_ids_exactly(linked):
+    """ "xr-1#0/2" contains "r-1#0/2": another request's completion never ends this one."""
+    pairs = [(0, 0), (1, 1)]
+    [error] = send_while_receiving(linked, "xr-1", "r-1", pairs, timeout=1)
+    assert "no NIXL completion" in str(error)
+    _, receiver, _, from_sender = linked
+    receiver.receive(None, from_sender, "xr-1", copies(pairs), timeout=1)  # still there
+
+
+def test_errors_nixl_raises_become_transfer_failures(linked, monkeypatch):
+    sender, _, to_receiver, _ = linked
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(sender.agent, "initialize_xfer", broken)
+    with pytest.raises(TransferFailed, match="NIXL write failed: NIXL_ERR_BACKEND"):
+        sender.send(None, to_receiver, "r-2", copies([(0, 0), (1, 1), (2, 2)]), timeout=1)
