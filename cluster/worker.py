@@ -76,13 +76,13 @@ class EngineWorker:
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
         self.engine.subscribe(self)
-        caches = self.engine.runner.caches
-        self._pools = Pools(caches.kv, caches.conv, caches.ssm)
         self._transfer_timeout = transfer_timeout
         self.receiver: TransferReceiver | None = None
         self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
         self._backend = create_backend(
-            engine_config.transfer_backend, self._pools, engine_config.transfer_streams
+            engine_config.transfer_backend,
+            Pools.of(self.engine.runner.caches),
+            engine_config.transfer_streams,
         )
         if self.role == "decode":
             # NOTE: a receive that fails under policy `fail` ends the request inside the

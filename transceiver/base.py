@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
 from hybridserve.transceiver.channel import Channel
 from hybridserve.transceiver.protocol import ReceivePlan
+
+if TYPE_CHECKING:
+    from hybridserve.workers.forward_batch import StateCaches
 
 RegionKind = Literal["kv", "conv", "ssm"]
 
@@ -29,6 +32,11 @@ class Pools:
     kv: torch.Tensor | None  # (num_blocks, ...)  one block per index
     conv: torch.Tensor | None  # (num_slots, ...)   one slot per index
     ssm: torch.Tensor | None
+
+    @classmethod
+    def of(cls, caches: StateCaches) -> Pools:
+        """An engine's pools: its model runner's state caches (`engine.runner.caches`)."""
+        return cls(caches.kv, caches.conv, caches.ssm)
 
     def region(self, kind: RegionKind, index: int) -> torch.Tensor:
         pool = getattr(self, kind)

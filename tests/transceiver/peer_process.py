@@ -31,18 +31,13 @@ def engine_for(role: str, model: str, backend: str, extra: str | None) -> Engine
     return Engine(EngineConfig(model=model, role=role, transfer_backend=backend, **args))
 
 
-def pools(engine: Engine) -> Pools:
-    caches = engine.runner.caches
-    return Pools(caches.kv, caches.conv, caches.ssm)
-
-
 def run_decode(model: str, backend: str, extra: str | None) -> None:
     engine = engine_for("decode", model, backend, extra)
     lock = threading.Lock()
     receiver = TransferReceiver(
         engine,
         engine.layout,
-        create_backend(backend, pools(engine), engine.config.transfer_streams),
+        create_backend(backend, Pools.of(engine.runner.caches), engine.config.transfer_streams),
         lock=lock,
     )
     emit({"address": list(receiver.address)})
@@ -83,7 +78,7 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
     sender = TransferSender(
         engine,
         engine.layout,
-        create_backend(backend, pools(engine), engine.config.transfer_streams),
+        create_backend(backend, Pools.of(engine.runner.caches), engine.config.transfer_streams),
         (host, int(port)),
         lock=lock,
     )
