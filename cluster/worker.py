@@ -18,6 +18,7 @@ runs everything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -53,6 +54,10 @@ class _Stream:
     num_sent: int = 0  # output tokens already put in the queue
     prefill_done: asyncio.Future[PrefillResult] | None = None
     decode_address: tuple[str, int] | None = None
+    # The engine is done with the request here (its final output, or the prefill's transfer
+    # outcome): closing the stream has nothing to abort. A failed NIXL send's pages stay
+    # with the sender until the lease ends, as a late write may still land.
+    ended: bool = False
 
     def put(self, event: TokenEvent) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -94,7 +99,7 @@ class EngineWorker:
                 lock=self.lock,
                 timeout=transfer_timeout,
             )
-        self.transfer_stats = {"bytes": 0, "blocks_sent": 0, "blocks_held": 0}
+        self.transfer_stats = {"bytes": 0}
         self.transfer_failures: dict[str, int] = {}
         self._accepting = True
         self._stop = threading.Event()
@@ -153,8 +158,7 @@ class EngineWorker:
                 "num_blocks": self.engine.runner.num_kv_blocks,
                 "num_free_slots": cache.num_free_slots,
                 "num_live_slots": cache.states.num_live_slots,
-                "busy": self.engine.has_unfinished_requests()
-                or self.engine.has_pending_transfers(),
+                "busy": self._busy(),
             }
 
     # ---- requests -------------------------------------------------------------------------
@@ -232,15 +236,7 @@ class EngineWorker:
             if first.finished:  # ended by its first token, or refused
                 return PrefillResult(request.request_id, "finished", first=first).to_dict()
             result = await stream.prefill_done
-            return PrefillResult(
-                request.request_id,
-                result.status,
-                first=first,
-                detail=result.detail,
-                blocks_sent=result.blocks_sent,
-                blocks_held=result.blocks_held,
-                bytes_sent=result.bytes_sent,
-            ).to_dict()
+            return dataclasses.replace(result, first=first).to_dict()
         finally:
             self._close(request.request_id)  # also when cancelled: aborts it here
 
@@ -269,24 +265,10 @@ class EngineWorker:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                busy = self.engine.has_unfinished_requests() or self.engine.has_pending_transfers()
-            if not busy:
-                break
+                if not self._busy():
+                    break
             await asyncio.sleep(0.05)
-        cut = 0
-        for request_id, stream in list(self._streams.items()):
-            with self.lock:
-                self.engine.abort(request_id)
-            stream.put(
-                TokenEvent(
-                    request_id,
-                    stream.num_sent,
-                    finish_reason="error",
-                    error=f"engine {self.name} shut down before the request finished",
-                )
-            )
-            cut += 1
-        return cut
+        return self._fail_all(f"engine {self.name} shut down before the request finished")
 
     def shutdown(self) -> None:
         self._accepting = False
@@ -311,8 +293,13 @@ class EngineWorker:
 
     def _close(self, request_id: str) -> None:
         """The caller is done (finished, cancelled or failed): nothing may stay behind."""
-        if self._streams.pop(request_id, None) is not None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.ended:
             self.abort(request_id)
+
+    def _busy(self) -> bool:
+        """Requests or transfers in flight (call under the lock)."""
+        return self.engine.has_unfinished_requests() or self.engine.has_pending_transfers()
 
     def _add(self, request: GenerateRequest) -> None:
         if not self._accepting:
@@ -380,6 +367,7 @@ class EngineWorker:
             output.error,
         )
         stream.num_sent += len(new)
+        stream.ended = event.finished
         stream.put(event)
 
     def _ship(self, handoff: Handoff) -> None:
@@ -409,14 +397,10 @@ class EngineWorker:
 
     def _shipped(self, stream: _Stream, outcome: SendOutcome) -> None:
         self.transfer_stats["bytes"] += outcome.bytes_sent
-        self.transfer_stats["blocks_sent"] += outcome.blocks_sent
-        self.transfer_stats["blocks_held"] += outcome.blocks_held
         status = "handed_off" if outcome.ok else "transfer_failed"
         if not outcome.ok:
-            self._count_failure(outcome.status)
-            logger.warning(
-                "request %s: transfer %s: %s", outcome.request_id, outcome.status, outcome.detail
-            )
+            self._count_failure(outcome.status)  # TransferSender has logged it
+        stream.ended = True
         result = PrefillResult(
             outcome.request_id,
             status,
@@ -432,8 +416,11 @@ class EngineWorker:
     def _count_failure(self, reason: str) -> None:
         self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
 
-    def _fail_all(self, reason: str) -> None:
-        for request_id, stream in list(self._streams.items()):
+    def _fail_all(self, reason: str) -> int:
+        """End every open request with an error event; returns how many."""
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
             with self.lock:
                 self.engine.abort(request_id)
             stream.put(TokenEvent(request_id, stream.num_sent, finish_reason="error", error=reason))
+        return len(streams)
