@@ -9,27 +9,13 @@ The benchmark itself lives in `hybridserve.cluster.bench_multiturn`.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from hybridserve.cluster import bench_multiturn
+from hybridserve.cluster import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench_multiturn.add_arguments(parser)
-    parser.add_argument(
-        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return bench_multiturn.run(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    return cli.main(["bench", "multiturn", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,7 +50,7 @@ from hybridserve.cluster.openai_responses import (
     usage_chunk,
 )
 from hybridserve.cluster.stop_strings import StopStringMatcher
-from hybridserve.workers.models.loader import open_checkpoint
+from hybridserve.workers.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class OpenAIIngress:
         self.config = ServiceConfig(**config)
         self.coordinator = coordinator
         self.keys = self.config.accepted_keys()
-        self.tokenizer = open_checkpoint(self.config.model).tokenizer
+        self.tokenizer = load_tokenizer(self.config.model)  # not the weights
         self._topology: dict[str, Any] | None = None
         self.metrics: ServiceMetrics | None = None
 
@@ -187,14 +186,15 @@ class OpenAIIngress:
         params = body.to_sampling_params(
             model["vocab_size"], model["max_model_len"], len(prompt_ids)
         )
+        # One id: the client's response id is the engines' request id (logs, aborts).
+        meta = ResponseMeta.new(model["model_id"], chat=chat)
         request = GenerateRequest(
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            request_id=meta.id,
             prompt_token_ids=prompt_ids,
             sampling=params.model_dump(),
             cache_salt=derive_cache_salt(tenant, body.cache_salt),
             stable_prompt_len=stable_len,
         )
-        meta = ResponseMeta.new(model["model_id"], chat=chat)
         events = self._run(request, topology)
         if body.stream:
             return StreamingResponse(

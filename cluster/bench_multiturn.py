@@ -33,6 +33,7 @@ import logging
 import subprocess
 import sys
 import time
+import typing
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,11 @@ from hybridserve.cluster.bench_multiturn_stats import (
     oracle_tokens,
     summarize,
 )
+from hybridserve.cluster.router import Policy
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("snapshot-aware", "attention-only", "round-robin")
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
 # Small pools for the tiny model: a few conversations of a few thousand tokens each.
 LAUNCH_ENGINE = {"max_model_len": 4096, "max_num_seqs": 16, "num_kv_blocks": 2048}
 
@@ -384,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"launching the service ({topology}) ...", file=sys.stderr)
         local.connect_ray(num_cpus=args.ray_num_cpus)
         try:
-            base_url = local.deploy(config, port=_free_port())
+            base_url = local.deploy(config, port=local.free_port())
             coordinator = local.coordinator()
             if not args.no_warmup:
                 # Round-robin touches every engine: max(P, D) requests cover all pairs.
@@ -431,11 +433,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"{failed} requests failed, e.g. {sorted(errors)[:3]}", file=sys.stderr)
         return 0 if args.allow_failures else 1
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

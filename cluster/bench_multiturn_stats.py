@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridserve.workers.cache.prefix_tree import common_prefix_len
+
 _WORD_TEXT = (
     "the of and to in is for on with as by at from that this it be are was or an state model "
     "layer token cache block prefix snapshot engine request turn user system answer question "
@@ -104,14 +106,6 @@ class RequestRecord:
     @property
     def e2el_s(self) -> float | None:
         return None if self.end_s is None else self.end_s - self.start_s
-
-
-def common_prefix_len(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def oracle_tokens(records: list[RequestRecord]) -> list[int]:

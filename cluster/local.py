@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 APP_NAME = "hybridserve"
@@ -29,6 +30,13 @@ def connect_ray(num_cpus: int | None = None) -> None:
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
         )
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a service that must not take 8000)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def deploy(config: dict[str, Any], host: str = "127.0.0.1", port: int = 8000) -> str:

@@ -150,12 +150,11 @@ class NixlBackend(TransferBackend):
         parts = split_parts(copies, self.num_streams)
         if not parts:
             return  # the receiver holds everything already: nothing to write or wait for
-        streams = self._streams.get(peer)
-        if len(parts) == 1 or streams is None:
+        if len(parts) == 1:  # always so with one stream
             self._guarded_write(peer, request_id, copies, part_tag(request_id, 0, 1), deadline)
             return
         futures = [
-            streams.submit(
+            self._streams[peer].submit(
                 self._guarded_write,
                 peer,
                 request_id,
@@ -210,7 +209,7 @@ class NixlBackend(TransferBackend):
         self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
     ) -> None:
         deadline = time.monotonic() + timeout
-        num_parts = len(split_parts(copies, self.peers[peer]["streams"]))
+        num_parts = min(self.peers[peer]["streams"], len(copies))  # as split_parts cuts
         for part in range(num_parts):
             tag = part_tag(request_id, part, num_parts)
             while not self._take_notification(peer, tag):

@@ -46,15 +46,11 @@ def _madvise() -> Any:
     return madvise
 
 
-def advise_huge_pages(address: int, nbytes: int) -> bool:
-    """Ask for transparent huge pages on [address, address + nbytes); False if refused."""
+def advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask for transparent huge pages on [address, address + nbytes) (a refusal is logged)."""
     madvise = _madvise()
-    if madvise is None or nbytes == 0:
-        return False
-    if madvise(address, nbytes, _MADV_HUGEPAGE) != 0:
+    if madvise is not None and madvise(address, nbytes, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-        return False
-    return True
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -62,7 +58,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     transparent huge pages (see the module docstring)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
     buffer = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)

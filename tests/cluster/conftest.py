@@ -3,7 +3,6 @@ the first test that asks for it)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +24,6 @@ SERVICE = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Service:
     base_url: str
@@ -49,7 +42,7 @@ def service() -> Iterator[Service]:
 
     local.connect_ray(num_cpus=4)
     try:
-        base_url = local.deploy(SERVICE, port=free_port())
+        base_url = local.deploy(SERVICE, port=local.free_port())
         yield Service(base_url, local.coordinator())
     finally:
         local.shutdown()

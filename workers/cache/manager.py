@@ -417,7 +417,7 @@ class HybridCacheManager:
             parent = node
         state.num_committed_tokens = end
         if self.prefix.requires_snapshot:
-            self._save_snapshot(parent, end - parent.start, request)
+            self._save_snapshot(parent, end - parent.start, request, state)
 
     def _insert(self, parent: TreeNode, tokens: list[int], own_block: int) -> TreeNode | None:
         """Register a block of a request in the tree. A full block is shared as it is (the
@@ -469,7 +469,9 @@ class HybridCacheManager:
             table[index] = node.block_id
             pool.release([own])
 
-    def _save_snapshot(self, node: TreeNode, coverage: int, request: Request) -> None:
+    def _save_snapshot(
+        self, node: TreeNode, coverage: int, request: Request, state: _RequestCache
+    ) -> None:
         existing = node.snapshot
         if existing is not None and existing.coverage >= coverage:
             if existing.coverage == coverage and existing.slot is not None:
@@ -487,13 +489,11 @@ class HybridCacheManager:
         self._events.append(_snapshot_stored(node, coverage))
         # NOTE: a deeper snapshot on the same path supersedes the request's previous one for
         # anything that continues this sequence (the next turn of a conversation); only a
-        # fork between the two still needs it, so it becomes the first to evict.
-        state = self._requests.get(request.request_id)
-        if state is not None:
-            previous = state.snapshot
-            if previous is not None and previous.slot is not None and previous is not snapshot:
-                self.states.snapshots.demote(previous)
-            state.snapshot = snapshot
+        # fork between the two still needs it, so it becomes the first to evict (a no-op if it
+        # has no device slot any more).
+        if state.snapshot is not None:
+            self.states.snapshots.demote(state.snapshot)
+        state.snapshot = snapshot
 
     # ---- release --------------------------------------------------------------------------
 

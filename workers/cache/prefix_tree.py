@@ -148,7 +148,7 @@ class PrefixTree:
             if partial and len(node.children) < MAX_SCANNED_CHILDREN:
                 for child in node.children.values():
                     if child is not full:
-                        common = _common_prefix(child.token_ids, tokens)
+                        common = common_prefix_len(child.token_ids, tokens)
                         if common > 0:
                             level.append(MatchedBlock(child, common))
                 level.sort(key=lambda m: -m.num_tokens)
@@ -207,7 +207,8 @@ class PrefixTree:
         del node.parent.children[node.key]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

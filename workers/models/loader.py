@@ -106,6 +106,16 @@ class Checkpoint:
         return tuple(dict.fromkeys(self.config.eos_token_ids + self.generation_eos_ids))
 
 
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """Only the tokenizer of `model` ("tiny" or a checkpoint folder): None if it has none."""
+    if model == "tiny":
+        from hybridserve.workers.models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    folder = Path(model).expanduser()
+    return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+
+
 def open_checkpoint(model: str) -> Checkpoint:
     """`model` is "tiny" (built in) or a path to an HF-format checkpoint folder."""
     if model == "tiny":
@@ -131,13 +141,12 @@ def open_checkpoint(model: str) -> Checkpoint:
         value = json.loads(generation_file.read_text()).get("eos_token_id")
         values = value if isinstance(value, list) else [] if value is None else [value]
         generation_eos = tuple(v for v in values if isinstance(v, int))
-    tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
     return Checkpoint(
         name=str(folder),
         raw_config=raw,
         config_file=str(config_file),
         tensors=SafetensorsSource(folder),
-        tokenizer=tokenizer,
+        tokenizer=load_tokenizer(model),
         generation_eos_ids=generation_eos,
     )
 
