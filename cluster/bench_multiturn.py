@@ -126,7 +126,6 @@ async def _conversation(
                 answer = await _one_request(client, model, messages, record, args)
             except Exception as exc:  # any failure is a result: recorded, counted, reported
                 record.error = f"{type(exc).__name__}: {exc}"[:500]
-                record.end_s = None
                 logger.warning("user %d turn %d failed: %s", conversation.user, turn, exc)
             progress.update(1)
             if record.error is not None:

@@ -32,7 +32,7 @@ import torch
 from hybridserve.transceiver.base import Pools, RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import TransferFailed
 from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
-from hybridserve.transceiver.faults import FaultInjectingBackend
+from hybridserve.transceiver.faults import FaultInjectingBackend, WrappedBackend
 from hybridserve.transceiver.protocol import TransferRequest
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.transceiver.tcp_backend import TcpBackend
@@ -217,13 +217,11 @@ def test_a_sender_timeout_frees_the_prefill_side_at_once(make_link, expected):
 # ---- peer death -----------------------------------------------------------------------------
 
 
-class DiesMidway(TransferBackend):
+class DiesMidway(WrappedBackend):
     """Moves the first `regions` regions, then its process "dies": the link is cut."""
 
     def __init__(self, inner: TransferBackend, regions: int = 1) -> None:
-        super().__init__(inner.pools)
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
+        super().__init__(inner)
         self.regions = regions
 
     def send(self, channel, peer, request_id, copies, timeout) -> None:
@@ -352,13 +350,11 @@ def test_a_duplicate_request_id_is_rejected_and_holds_nothing(make_link, expecte
     link.assert_at_baseline()
 
 
-class RewritesDestinations(TransferBackend):
+class RewritesDestinations(WrappedBackend):
     """A misbehaving sender that writes where it likes instead of where the plan says."""
 
     def __init__(self, inner: TransferBackend, rewrite: Callable[[RegionCopy], int]) -> None:
-        super().__init__(inner.pools)
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
+        super().__init__(inner)
         self.rewrite = rewrite
         self.sent: list[list[RegionCopy]] = []
 
