@@ -36,15 +36,15 @@ class TimedEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = Engine(config)
         self.runner_seconds = 0.0
-        execute = self.engine.runner.execute
+        execute = self.engine.executor.execute
 
-        def timed(out: Any, cache: Any) -> Any:
+        def timed(plan: Any) -> Any:
             start = time.perf_counter()
-            result = execute(out, cache)
+            result = execute(plan)
             self.runner_seconds += time.perf_counter() - start
             return result
 
-        self.engine.runner.execute = timed  # type: ignore[method-assign]
+        self.engine.executor.execute = timed  # type: ignore[method-assign]
 
     def first_token(self, prompt: list[int], params: SamplingParams) -> tuple[float, float, Any]:
         """(TTFT, runner seconds until the first token, request output when finished)."""
@@ -113,7 +113,7 @@ def main() -> None:
             if len(prompt) >= min_history:
                 break
         cache = reuse.engine.cache
-        caches = reuse.engine.runner.caches
+        caches = reuse.engine.caches
         slot_bytes = sum(
             t[0].numel() * t.element_size() for t in (caches.conv, caches.ssm) if t is not None
         )

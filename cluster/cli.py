@@ -21,7 +21,7 @@ import typing
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -30,6 +30,9 @@ from hybridserve.cluster.config import API_KEYS_ENV, ServiceConfig
 from hybridserve.cluster.router import Policy
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridserve.workers import LLM
 
 logger = logging.getLogger("hybridserve")
 
@@ -192,7 +195,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sampling = SamplingParams(
         **{k: v for k, v in model_values(args, SamplingParams).items() if k != "seed"}
     )
-    llm = LLM(**engine_args)
+    with LLM(**engine_args) as llm:
+        _print_outputs(llm, args, parser, sampling)
+    return 0
+
+
+def _print_outputs(
+    llm: LLM, args: argparse.Namespace, parser: argparse.ArgumentParser, sampling: SamplingParams
+) -> None:
     prompts: list[str] = args.prompt
     if args.chat:
         if llm.tokenizer is None:
@@ -216,7 +226,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         else:
             print(output.text)
-    return 0
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 Fed by each engine's cache events (applied in order), it mirrors every engine's prefix tree
 by key alone: the same salted SHA-256 block chain (`workers/cache/hashing.py`), parents, token
 counts and snapshot coverages, never token ids. It scores a prompt per engine by what a hybrid
-model can really reuse there, the rule of `HybridCacheManager.find_reuse`:
+model can really reuse there, the rule of `CacheCoordinator.find_reuse`:
 
     lookup = prompt[:-1]                     (the last prompt token is always computed)
     blocks:    [ full ][ full ][ full ][ part.. ]

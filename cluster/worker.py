@@ -86,7 +86,7 @@ class EngineWorker:
         self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
         self._backend = create_backend(
             engine_config.transfer_backend,
-            Pools.of(self.engine.runner.caches),
+            Pools.of(self.engine.caches),
             engine_config.transfer_streams,
         )
         if self.role == "decode":
@@ -132,7 +132,7 @@ class EngineWorker:
         with self.lock:
             cache = self.engine.cache
             scheduler = self.engine.scheduler
-            num_blocks = self.engine.runner.num_kv_blocks
+            num_blocks = self.engine.num_kv_blocks
             used = num_blocks - cache.num_free_blocks
             return {
                 "num_requests_running": len(scheduler.running),
@@ -155,9 +155,9 @@ class EngineWorker:
             cache = self.engine.cache
             return {
                 "num_free_blocks": cache.num_free_blocks,
-                "num_blocks": self.engine.runner.num_kv_blocks,
+                "num_blocks": self.engine.num_kv_blocks,
                 "num_free_slots": cache.num_free_slots,
-                "num_live_slots": cache.states.num_live_slots,
+                "num_live_slots": cache.mamba.num_live_slots,
                 "busy": self._busy(),
             }
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridserve.workers.cache.manager import HybridCacheManager, PrefixCachingConfig
+from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
 from hybridserve.workers.request import Request
 from hybridserve.workers.sampling_params import SamplingParams
 
@@ -172,12 +173,12 @@ def assert_pools_at_baseline(engine: Any) -> None:
     every block and slot is free again."""
     engine.check_integrity()
     cache = engine.cache
-    assert cache.num_free_blocks == engine.runner.num_kv_blocks  # cached blocks count as free
-    assert cache.num_free_slots == cache.states.num_live_slots
+    assert cache.num_free_blocks == engine.num_kv_blocks  # cached blocks count as free
+    assert cache.num_free_slots == cache.mamba.num_live_slots
     engine.clear_cache()
     engine.check_integrity()
-    assert cache.blocks.pool.num_cached == 0
-    assert cache.states.snapshots.num_free == cache.states.snapshots.ids.size
+    assert cache.attention.pool.num_cached == 0
+    assert cache.mamba.snapshots.num_free == cache.mamba.snapshots.ids.size
     assert next(cache.tree.nodes(), None) is None
 
 
@@ -200,40 +201,13 @@ def make_request(
     )
 
 
-def make_cache(num_blocks: int, block_size: int = 4, num_slots: int = 8) -> HybridCacheManager:
-    return HybridCacheManager(
-        num_blocks=num_blocks, block_size=block_size, num_live_slots=num_slots
-    )
+def make_cache(num_blocks: int, block_size: int = 4, num_slots: int = 8) -> CacheCoordinator:
+    return CacheCoordinator(num_blocks=num_blocks, block_size=block_size, num_live_slots=num_slots)
 
 
-class RecordingExecutor:
-    """A `CacheOpExecutor` that moves no data: it records each call as (name, *args)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str | int, ...]] = []
-
-    def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
-        self.calls.append(("copy_block", src, dst, num_tokens))
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        self.calls.append(("copy_slot", src, dst))
-
-    def offload_block(self, block_id: int, host_id: int) -> None:
-        self.calls.append(("offload_block", block_id, host_id))
-
-    def load_block(self, host_id: int, block_id: int) -> None:
-        self.calls.append(("load_block", host_id, block_id))
-
-    def offload_slot(self, slot: int, host_slot: int) -> None:
-        self.calls.append(("offload_slot", slot, host_slot))
-
-    def load_slot(self, host_slot: int, slot: int) -> None:
-        self.calls.append(("load_slot", host_slot, slot))
-
-    def take(self) -> list[tuple[str | int, ...]]:
-        """The calls since the last `take`."""
-        calls, self.calls = self.calls, []
-        return calls
+def take_ops(cache: CacheCoordinator) -> list[tuple[str | int, ...]]:
+    """The data moves the cache decided since the last call, as (kind, *fields) tuples."""
+    return [(op.kind, *astuple(op)) for op in cache.take_ops()]
 
 
 def make_prefix_cache(
@@ -249,9 +223,9 @@ def make_prefix_cache(
     offsets_from_end: tuple[int, ...] = (),
     host_blocks: int = 0,
     host_slots: int = 0,
-) -> HybridCacheManager:
-    """A manager with prefix caching on and a `RecordingExecutor` (see `executor_of`). Live
-    slots are 0..live_slots-1, snapshot slots follow them."""
+) -> CacheCoordinator:
+    """A coordinator with prefix caching on (its data moves: `take_ops`). Live slots are
+    0..live_slots-1, snapshot slots follow them."""
     config = PrefixCachingConfig(
         enabled=True,
         snapshot_interval=interval,
@@ -260,21 +234,15 @@ def make_prefix_cache(
         offsets_from_start=offsets_from_start,
         offsets_from_end=offsets_from_end,
     )
-    return HybridCacheManager(
+    return CacheCoordinator(
         num_blocks=num_blocks,
         block_size=block_size,
         num_live_slots=live_slots,
         num_snapshot_slots=snapshots,
         prefix=config,
-        executor=RecordingExecutor(),
         host_blocks=host_blocks,
         host_slots=host_slots,
     )
-
-
-def executor_of(cache: HybridCacheManager) -> RecordingExecutor:
-    assert isinstance(cache.executor, RecordingExecutor)
-    return cache.executor
 
 
 def tokens(n: int, start: int = 1) -> list[int]:
@@ -282,17 +250,17 @@ def tokens(n: int, start: int = 1) -> list[int]:
     return list(range(start, start + n))
 
 
-def assert_cache_at_baseline(cache: HybridCacheManager) -> None:
+def assert_cache_at_baseline(cache: CacheCoordinator) -> None:
     """No request holds anything, and once cleared, the cache holds nothing either: every
     block, slot and host entry is free and the prefix tree is empty."""
     cache.check_integrity()
-    assert cache.num_free_blocks == cache.blocks.pool.num_blocks
-    assert cache.num_free_slots == cache.states.num_live_slots
+    assert cache.num_free_blocks == cache.attention.pool.num_blocks
+    assert cache.num_free_slots == cache.mamba.num_live_slots
     cache.clear()
     cache.check_integrity()
-    assert cache.blocks.pool.num_cached == 0
-    assert cache.states.snapshots.num_free == cache.states.snapshots.ids.size
+    assert cache.attention.pool.num_cached == 0
+    assert cache.mamba.snapshots.num_free == cache.mamba.snapshots.ids.size
     assert next(cache.tree.nodes(), None) is None
-    if cache.host is not None:
-        assert cache.host.blocks.ids.num_free == cache.host.blocks.ids.size
-        assert cache.host.slots.ids.num_free == cache.host.slots.ids.size
+    for host in (cache.attention.host, cache.mamba.host):
+        if host is not None:
+            assert host.ids.num_free == host.ids.size

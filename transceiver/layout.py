@@ -7,8 +7,12 @@ block size, layer layout and head geometry, with tensor-parallel sizes dividing 
 Pool layouts (one block / slot is one contiguous region on each rank):
     KV:    (num_blocks, attn_layers, 2, kv_heads_per_rank, block_size, head_dim)
     conv:  (num_slots, mamba_layers, conv_rows_per_rank, conv_kernel - 1)
-           conv rows = x (intermediate) | B (groups * state) | C (groups * state), each / tp
+           conv rows = x (intermediate / tp) | B (groups_per_rank * state) | C (same)
     ssm:   (num_slots, mamba_layers, heads_per_rank, head_dim, state_size)
+
+KV heads and B/C groups are replicated when there are fewer than ranks (one per rank), so the
+model's totals travel too (`num_kv_heads`, `mamba_groups`): per-rank sizes times tp would
+overcount them. See docs/tensor-parallel.md.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ class PeerLayout:
     layer_kinds: tuple[str, ...]  # every sublayer: mamba / attention / mlp / moe
     # Attention (kv_heads_per_layer holds 0 for non-attention layers, the HF convention).
     kv_heads_per_layer: tuple[int, ...]
+    num_kv_heads: int  # the model's, across ranks
     block_size: int
     head_dim: int
     kv_dtype: str
     # Mamba, per rank.
     conv_sections: tuple[int, int, int]  # rows of x | B | C on this rank
+    mamba_groups: int  # the model's n_groups, across ranks
     conv_width: int  # conv_kernel - 1 (the stored window)
     conv_dtype: str
     ssm_heads: int
@@ -59,11 +65,15 @@ class PeerLayout:
         return {
             "model_id": self.model_id,
             "layer_kinds": list(self.layer_kinds),
-            "kv_heads": self.kv_heads_per_rank * tp,
+            "kv_heads": self.num_kv_heads,
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "kv_dtype": self.kv_dtype,
-            "conv_sections": [s * tp for s in self.conv_sections],
+            "conv_sections": [
+                self.conv_sections[0] * tp,
+                self.mamba_groups * self.ssm_state_size,
+                self.mamba_groups * self.ssm_state_size,
+            ],
             "conv_width": self.conv_width,
             "conv_dtype": self.conv_dtype,
             "ssm_heads": self.ssm_heads * tp,

@@ -21,7 +21,8 @@ import msgpack
 
 from hybridserve.transceiver.layout import PeerLayout
 
-PROTOCOL_VERSION = 1
+# 2: layouts carry the model's KV head and Mamba group totals (replicated shards).
+PROTOCOL_VERSION = 2
 # Largest control message accepted (a TransferRequest carries the prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
 

@@ -1,8 +1,8 @@
 """The device (and optional host) memory behind the cache managers; owned by the ModelRunner.
 
 Device pools: KV blocks and Mamba slots (`StateCaches`). Host tier: the same layouts in host
-memory (pinned when a GPU is present), for blocks and snapshots the device pools evict. This
-class performs the data moves the cache managers ask for (`CacheOpExecutor`).
+memory (pinned when a GPU is present), for blocks and snapshots the device pools evict. `apply`
+performs the data moves a step plan carries (workers/cache/ops.py), in order.
 """
 
 from __future__ import annotations
@@ -11,20 +11,36 @@ import logging
 
 import torch
 
+from hybridserve.workers.cache.ops import (
+    CacheOp,
+    CopyBlock,
+    CopySlot,
+    LoadBlock,
+    LoadSlot,
+    OffloadBlock,
+    OffloadSlot,
+)
 from hybridserve.workers.forward_batch import StateCaches
 
 logger = logging.getLogger(__name__)
 
 
 class CacheMemory:
-    def __init__(self, device_caches: StateCaches, host_bytes: int) -> None:
+    def __init__(
+        self,
+        device_caches: StateCaches,
+        host_bytes: int,
+        host_counts: tuple[int, int] | None = None,
+    ) -> None:
+        """`host_counts` (blocks, slots) fixes the host tier's size (every rank of an engine
+        holds the same ids); otherwise it follows from `host_bytes`."""
         self.device = device_caches
         self.host: StateCaches | None = None
         self.num_host_blocks = 0
         self.num_host_slots = 0
         if host_bytes > 0:
             try:
-                self.host = self._allocate_host(host_bytes)
+                self.host = self._allocate_host(host_bytes, host_counts)
             except (RuntimeError, MemoryError) as exc:
                 # Invariant I10: a host tier that cannot be set up is a lost optimisation,
                 # never a failed start.
@@ -41,14 +57,18 @@ class CacheMemory:
     def _bytes_per(t: torch.Tensor | None) -> int:
         return 0 if t is None or t.shape[0] == 0 else t[0].numel() * t.element_size()
 
-    def _allocate_host(self, host_bytes: int) -> StateCaches:
+    def _allocate_host(self, host_bytes: int, counts: tuple[int, int] | None = None) -> StateCaches:
         """Half the budget for KV blocks, half for Mamba slots (all of it to whichever exists)."""
         device = self.device
-        block_bytes = self._bytes_per(device.kv)
-        slot_bytes = self._bytes_per(device.conv) + self._bytes_per(device.ssm)
-        kv_share = 0.5 if block_bytes and slot_bytes else (1.0 if block_bytes else 0.0)
-        self.num_host_blocks = int(host_bytes * kv_share) // block_bytes if block_bytes else 0
-        self.num_host_slots = int(host_bytes * (1 - kv_share)) // slot_bytes if slot_bytes else 0
+        if counts is None:
+            block_bytes = self._bytes_per(device.kv)
+            slot_bytes = self._bytes_per(device.conv) + self._bytes_per(device.ssm)
+            kv_share = 0.5 if block_bytes and slot_bytes else (1.0 if block_bytes else 0.0)
+            counts = (
+                int(host_bytes * kv_share) // block_bytes if block_bytes else 0,
+                int(host_bytes * (1 - kv_share)) // slot_bytes if slot_bytes else 0,
+            )
+        self.num_host_blocks, self.num_host_slots = counts
         pin = torch.cuda.is_available() and device.kv is not None and device.kv.is_cuda
 
         def like(t: torch.Tensor | None, count: int) -> torch.Tensor | None:
@@ -62,7 +82,24 @@ class CacheMemory:
             ssm=like(device.ssm, self.num_host_slots),
         )
 
-    # ---- CacheOpExecutor --------------------------------------------------------------------
+    # ---- cache ops ------------------------------------------------------------------------
+
+    def apply(self, ops: list[CacheOp]) -> None:
+        """Perform a step plan's data moves, in order."""
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                self.copy_block(op.src, op.dst, op.num_tokens)
+            elif isinstance(op, CopySlot):
+                self.copy_slot(op.src, op.dst)
+            elif isinstance(op, OffloadBlock):
+                self.offload_block(op.block_id, op.host_id)
+            elif isinstance(op, LoadBlock):
+                self.load_block(op.host_id, op.block_id)
+            elif isinstance(op, OffloadSlot):
+                self.offload_slot(op.slot, op.host_slot)
+            else:
+                assert isinstance(op, LoadSlot)
+                self.load_slot(op.host_slot, op.slot)
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         kv = self.device.kv

@@ -62,7 +62,25 @@ class EngineConfig(BaseModel):
     host_cache_bytes: int = Field(
         0, ge=0, description="host memory for evicted blocks and snapshots (0 = no host tier)"
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks (GPUs, or CPU processes) one engine spans; each holds a shard"
+    )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE: partition the experts over the tensor-parallel ranks instead of "
+        "splitting every expert",
+    )
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None,
+        description="how ranks run: uni (in this process), mp (one process per rank), ray "
+        "(rank actors, inside the service); default uni at TP 1, mp above",
+    )
+    distributed_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="a rank that died or has not finished a step after this long ends every "
+        "running request with an error and stops the engine",
+    )
     role: Literal["colocated", "prefill", "decode"] = Field(
         "colocated",
         description="prefill: stop after the first token and hand the request off; "
@@ -118,12 +136,35 @@ class EngineConfig(BaseModel):
                 f"({self.max_num_seqs}): every running request needs a live slot; raise "
                 "num_mamba_slots or lower max_num_seqs"
             )
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet: layers are TP-aware but the "
-                "multi-process engine is not built; run one replica per GPU instead"
-            )
+        self._check_parallelism()
         return self
+
+    def _check_parallelism(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.executor_backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                f"{tp}: use 'mp' (one process per rank) or 'ray'"
+            )
+        if tp > 1 and self.role != "colocated":
+            raise ValueError(
+                f"role={self.role!r} with tensor_parallel_size={tp}: transfers between "
+                "disaggregated engines move one rank's state so far; run prefill and decode "
+                "engines at tensor_parallel_size=1"
+            )
+        if tp > 1 or self.enable_expert_parallel:
+            # NOTE: reads only config.json, so a shape the ranks cannot split is refused before
+            # any process starts.
+            from hybridserve.workers.models.loader import read_model_config
+            from hybridserve.workers.parallel import check_tensor_parallel
+
+            check_tensor_parallel(read_model_config(self.model), tp, self.enable_expert_parallel)
+
+    @property
+    def executor_backend(self) -> Literal["uni", "mp", "ray"]:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     @property
     def num_live_slots(self) -> int:

@@ -12,7 +12,7 @@
                                                  the destination pages stay quarantined until
                                                  no write can still be filling them
 
-Ownership (spec A0): prefill pages belong to the handoff until one of its three release events;
+Ownership: prefill pages belong to the handoff until one of its three release events;
 decode pages belong to the receiving request, then to a quarantine, never straight to the pool
 while a writer may be active.
 """
@@ -32,12 +32,13 @@ from hybridserve.transceiver.protocol import (
     SamplingState,
     TransferRequest,
 )
+from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.cache.hashing import block_hashes
-from hybridserve.workers.cache.manager import HybridCacheManager
 from hybridserve.workers.config import EngineConfig
-from hybridserve.workers.forward_batch import StateCaches
+from hybridserve.workers.model_runner import DTYPES
 from hybridserve.workers.models.config import HybridModelConfig
-from hybridserve.workers.request import Request, RequestStatus
+from hybridserve.workers.parallel import local_conv_sections, local_kv_heads
+from hybridserve.workers.request import Request
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.scheduler import Scheduler
 
@@ -65,7 +66,7 @@ class PrefillHandoffs:
     def __init__(
         self,
         scheduler: Scheduler,
-        cache: HybridCacheManager,
+        cache: CacheCoordinator,
         *,
         lease_seconds: float,
         compatibility_hash: str,
@@ -80,8 +81,7 @@ class PrefillHandoffs:
     def hand_off(self, request: Request) -> Handoff:
         """Take a request that just sampled its first token out of the scheduler, keeping its
         blocks and live slot (now holding the state after the whole prompt)."""
-        self.scheduler.running.remove(request)
-        request.status = RequestStatus.HANDED_OFF
+        self.scheduler.hand_off(request)
         params = request.sampling_params
         message = TransferRequest(
             request_id=request.request_id,
@@ -120,8 +120,7 @@ class PrefillHandoffs:
         handoff = self.pending.pop(request_id, None)
         if handoff is None:
             return False
-        self.cache.free(handoff.request)
-        handoff.request.status = RequestStatus.FINISHED
+        self.scheduler.release_handoff(handoff.request)
         logger.info("request %s: handoff released (%s)", request_id, reason)
         return True
 
@@ -152,7 +151,7 @@ class DecodeReceives:
     def __init__(
         self,
         scheduler: Scheduler,
-        cache: HybridCacheManager,
+        cache: CacheCoordinator,
         *,
         vocab_size: int,
         max_model_len: int,
@@ -248,13 +247,13 @@ class DecodeReceives:
         )
         request.token_ids.append(message.first_token)
         request.num_cached_tokens = message.num_cached_tokens
-        request.status = RequestStatus.RECEIVING
         reserved = self.cache.allocate_received(request, message.block_hashes, len(prompt))
         if reserved is None:
             raise TransferRejected(
                 "no_capacity",
                 f"request {request_id}: no room for {len(prompt)} tokens right now; retry later",
             )
+        self.scheduler.start_receiving(request)
         held, allocation = reserved
         plan = ReceivePlan(
             request_id=request_id,
@@ -272,13 +271,8 @@ class DecodeReceives:
             raise TransferRejected(
                 "unknown_request", f"no transfer in progress for request {request_id!r}"
             )
-        request = receiving.request
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.status = RequestStatus.RUNNING
-        request.expect_snapshot_points = self.cache.snapshot_points(request)
-        self.cache.commit(request)  # the received prompt becomes reusable here too
-        self.scheduler.running.append(request)
-        return request
+        self.scheduler.finish_receiving(receiving.request)
+        return receiving.request
 
     def fail(self, request_id: str, reason: str, *, writer_done: bool) -> Request | None:
         """A transfer failed. Its destination pages go to quarantine (released at once when no
@@ -296,14 +290,11 @@ class DecodeReceives:
         logger.warning(
             "request %s: transfer failed (%s); policy %s", request_id, reason, self.failure_policy
         )
-        if self.failure_policy == "recompute":
-            request.status = RequestStatus.WAITING
-            request.num_computed_tokens = 0
-            self.scheduler.waiting.appendleft(request)
-        else:
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = "error"
-            request.error = f"KV transfer failed: {reason}"
+        self.scheduler.fail_receiving(
+            request,
+            recompute=self.failure_policy == "recompute",
+            error=f"KV transfer failed: {reason}",
+        )
         return request
 
     def sweep(self, now: float | None = None) -> None:
@@ -317,29 +308,31 @@ class DecodeReceives:
         self.quarantined = keep
 
 
-def peer_layout(model: HybridModelConfig, config: EngineConfig, caches: StateCaches) -> PeerLayout:
-    """This engine's transferable state, as the transceiver describes it to a peer."""
+def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -> PeerLayout:
+    """Rank `rank`'s transferable state, as the transceiver describes it to a peer: its own
+    KV heads, conv sections and SSM heads (docs/tensor-parallel.md)."""
     attention, mamba = model.attention, model.mamba
+    tp = config.tensor_parallel_size
     model_id = hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:16]
-    inner = mamba.intermediate_size if mamba else 0
-    groups = mamba.group_state_size if mamba else 0
+    kv_heads = local_kv_heads(attention, tp) if attention else 0
     return PeerLayout(
         model_id=model_id,
-        tp_size=config.tensor_parallel_size,
-        tp_rank=0,
+        tp_size=tp,
+        tp_rank=rank,
         layer_kinds=model.layer_kinds,
         kv_heads_per_layer=tuple(
-            attention.num_kv_heads if attention and kind == "attention" else 0
-            for kind in model.layer_kinds
+            kv_heads if kind == "attention" else 0 for kind in model.layer_kinds
         ),
+        num_kv_heads=attention.num_kv_heads if attention else 0,
         block_size=config.block_size,
         head_dim=attention.head_dim if attention else 0,
-        kv_dtype=str(caches.kv.dtype) if caches.kv is not None else "none",
-        conv_sections=(inner, groups, groups),
+        kv_dtype=str(DTYPES[config.dtype]) if attention else "none",
+        conv_sections=local_conv_sections(mamba, tp) if mamba else (0, 0, 0),
+        mamba_groups=mamba.n_groups if mamba else 0,
         conv_width=mamba.conv_kernel - 1 if mamba else 0,
-        conv_dtype=str(caches.conv.dtype) if caches.conv is not None else "none",
-        ssm_heads=mamba.num_heads if mamba else 0,
+        conv_dtype=str(DTYPES[config.dtype]) if mamba else "none",
+        ssm_heads=mamba.num_heads // tp if mamba else 0,
         ssm_head_dim=mamba.head_dim if mamba else 0,
         ssm_state_size=mamba.state_size if mamba else 0,
-        ssm_dtype=str(caches.ssm.dtype) if caches.ssm is not None else "none",
+        ssm_dtype=str(DTYPES[config.mamba_ssm_dtype]) if mamba else "none",
     )

@@ -1,8 +1,12 @@
 """Engine: one model replica. `add_request` / `step` / `abort`, nano-vllm shaped:
 
-out = scheduler.schedule()          # who runs, how many tokens (pure Python)
-result = runner.execute(out, cache) # tensors, model, sampling
-scheduler.update(out, result)       # cursors, stop checks, freeing
+out = scheduler.schedule()              # who runs, how many tokens; out.plan is the step plan
+result = executor.execute(out.plan)     # every rank: cache ops, forward; rank 0 samples
+scheduler.update(out, result.sampled)   # cursors, stop checks, commits, freeing
+
+The executor runs the plan on one rank in this process (`uni`) or on `tensor_parallel_size`
+ranks (`mp`: rank 0 here, the others in their own processes). If a rank dies or hangs, every
+request ends with that error and the engine refuses new ones (`dead`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import logging
 import torch
 
 from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
+from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
 from hybridserve.workers.cache.events import CacheEventSink
-from hybridserve.workers.cache.manager import HybridCacheManager, PrefixCachingConfig
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.disaggregation import (
     DecodeReceives,
@@ -23,13 +27,15 @@ from hybridserve.workers.disaggregation import (
     PrefillHandoffs,
     peer_layout,
 )
-from hybridserve.workers.model_runner import ModelRunner
+from hybridserve.workers.executor import RankFailure, create_executor
+from hybridserve.workers.forward_batch import StateCaches
+from hybridserve.workers.model_runner import RunnerOutput
 from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.outputs import RequestOutput
 from hybridserve.workers.request import Request, RequestStatus
-from hybridserve.workers.sampler import mix_seed
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.scheduler import Scheduler
+from hybridserve.workers.step_plan import StepPlan, mix_seed
 from hybridserve.workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,7 +57,10 @@ class Engine:
                 f"max_model_len={self.max_model_len} is longer than the model's "
                 f"max_position_embeddings={model_max}"
             )
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        self.executor = create_executor(config, checkpoint, self.max_model_len)
+        sizes = self.executor.sizes
+        # Why the engine stopped (a rank died or hung); it then refuses new requests.
+        self.dead: str | None = None
         prefix = PrefixCachingConfig(
             enabled=config.enable_prefix_caching,
             snapshot_interval=config.mamba_snapshot_interval,
@@ -62,15 +71,14 @@ class Engine:
             requires_snapshot=self.model_config.num_mamba_layers > 0,
             snapshot_turn_end=config.mamba_snapshot_turn_end,
         )
-        self.cache = HybridCacheManager(
-            num_blocks=self.runner.num_kv_blocks,
+        self.cache = CacheCoordinator(
+            num_blocks=sizes.num_kv_blocks,
             block_size=config.block_size,
             num_live_slots=config.num_live_slots,
             num_snapshot_slots=config.num_snapshot_slots,
             prefix=prefix,
-            executor=self.runner.memory,
-            host_blocks=self.runner.memory.num_host_blocks,
-            host_slots=self.runner.memory.num_host_slots,
+            host_blocks=sizes.num_host_blocks,
+            host_slots=sizes.num_host_slots,
         )
         if prefix.enabled and config.num_snapshot_slots == 0 and prefix.requires_snapshot:
             logger.warning(
@@ -84,7 +92,12 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
-        self.layout = peer_layout(self.model_config, config, self.runner.caches)
+        # Each rank's state, as the transceiver describes it (rank 0's is this process's).
+        self.layouts = [
+            peer_layout(self.model_config, config, rank)
+            for rank in range(config.tensor_parallel_size)
+        ]
+        self.layout = self.layouts[0]
         compatibility = self.layout.compatibility_hash()
         self.handoffs = (
             PrefillHandoffs(
@@ -116,13 +129,24 @@ class Engine:
         self._num_prompt_tokens: dict[str, int] = {}
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s (%s, %d layers), max_model_len=%d, device=%s",
+            "engine ready: %s (%s, %d layers), max_model_len=%d, device=%s, tp=%d (%s)",
             checkpoint.name,
             self.model_config.architecture,
             len(self.model_config.layer_kinds),
             self.max_model_len,
-            self.runner.device,
+            self.executor.driver.device,
+            config.tensor_parallel_size,
+            config.executor_backend,
         )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.executor.sizes.num_kv_blocks
+
+    @property
+    def caches(self) -> StateCaches:
+        """Rank 0's state pools (all of the state at tensor_parallel_size 1)."""
+        return self.executor.driver.caches
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -145,6 +169,7 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id. Everything is validated before anything is
         allocated, so a bad request raises ValueError and leaves the engine untouched."""
+        self._raise_if_dead()
         params = params or SamplingParams()
         if request_id is None:
             # NOTE: a caller may already use an id of our "req-N" form for a live request.
@@ -174,12 +199,10 @@ class Engine:
             sample_seed=seed,
             cache_salt=cache_salt,
             stable_prompt_len=stable_prompt_len,
-            # Logits of reused positions are never computed: scoring always computes.
-            reuse_prefix=not return_prompt_logits,
+            keep_logits=return_prompt_logits,
         )
         self._requests[request_id] = request
         if return_prompt_logits:
-            self.runner.keep_logits.add(request_id)
             self._prompt_logits[request_id] = []
             self._num_prompt_tokens[request_id] = len(token_ids)
         self.scheduler.add(request)
@@ -232,10 +255,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns an output for every request that got a token."""
+        if self.dead is not None:
+            return self._take_ended()
         # NOTE: first, and on idle steps too: expired leases and quarantines must free their
-        # pages whether or not anything can be scheduled (spec A1, TRT-LLM #12313).
+        # pages whether or not anything can be scheduled.
         self._sweep_transfers()
-        ended, self._ended = self._ended, []
+        ended = self._take_ended()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished() and not self.has_pending_transfers():
@@ -243,11 +268,14 @@ class Engine:
                     "no request could be scheduled: the caches cannot hold even "
                     "one request; this is a sizing bug"
                 )
+            self._execute(out.plan)  # data moves only (if any), e.g. a finished commit's
             return ended  # otherwise waiting for transfers to release their pages
         for request in out.preempted:  # recomputed from scratch: collected logits start over
             if request.request_id in self._prompt_logits:
                 self._prompt_logits[request.request_id] = []
-        result = self.runner.execute(out, self.cache)
+        result = self._execute(out.plan)
+        if result is None:
+            return ended + self._take_ended()  # a rank failed: every request ended
         for request_id, logits in result.chunk_logits.items():
             self._prompt_logits[request_id].append(logits)
         outputs = ended
@@ -257,7 +285,6 @@ class Engine:
                 del self._requests[request.request_id]
                 if self.tokenizer is not None:
                     output.text = self.tokenizer.decode(output.token_ids)
-                self.runner.keep_logits.discard(request.request_id)
             elif self.handoffs is not None and request.num_output_tokens == 1:
                 # Prefill role: the prompt is done and the first token sampled; decode
                 # continues elsewhere from exactly this state.
@@ -266,8 +293,60 @@ class Engine:
         self._sweep_transfers()
         self._publish_cache_events()
         if not self.scheduler.has_unfinished():
-            self.check_integrity()
-        return outputs
+            # Idle: apply what the last commits decided now, so the pools are complete while
+            # nothing steps (a snapshot read by a test or a benchmark, a transfer).
+            self._apply_decided_ops()
+            self.cache.check_integrity()
+            try:
+                if self.dead is None:
+                    self.executor.check_ranks()
+            except RankFailure as exc:
+                self._die(str(exc))
+        return outputs + self._take_ended()
+
+    def _execute(self, plan: StepPlan) -> RunnerOutput | None:
+        """Run a plan on every rank; None if there was nothing to run or a rank failed (the
+        engine is dead then)."""
+        if self.dead is not None or not (plan.chunks or plan.cache_ops):
+            return None
+        try:
+            return self.executor.execute(plan)
+        except RankFailure as exc:
+            self._die(str(exc))
+            return None
+
+    def _apply_decided_ops(self) -> None:
+        """Apply the data moves the caches decided outside a step plan (cache ops decided in a
+        step's update travel with the next plan; see workers/cache/ops.py)."""
+        self._execute(StepPlan(cache_ops=self.cache.take_ops()))
+
+    def _die(self, reason: str) -> None:
+        """A rank failed: end every request with the reason; refuse new ones from now on."""
+        self.dead = reason
+        logger.error("engine stopped: %s", reason)
+        for request in list(self._requests.values()):
+            if request.status is RequestStatus.HANDED_OFF and self.handoffs is not None:
+                self.handoffs.release(request.request_id, "engine stopped")
+            elif request.status is RequestStatus.RECEIVING and self.receives is not None:
+                self.receives.fail(request.request_id, "engine stopped", writer_done=False)
+            self.scheduler.finish(request, "error")
+            request.error = f"the engine stopped: {reason}"
+            self._ended.append(request.to_output())
+            self._forget(request.request_id)
+        self._requests.clear()
+        self.executor.shutdown()
+
+    def _take_ended(self) -> list[RequestOutput]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"the engine stopped and takes no requests: {self.dead}")
+
+    def shutdown(self) -> None:
+        """Stop the engine's other ranks (nothing to do at tensor_parallel_size 1)."""
+        self.executor.shutdown()
 
     # ---- disaggregation ---------------------------------------------------------------------
 
@@ -295,13 +374,18 @@ class Engine:
         """Decode role: validate a transfer and reserve its destination (TransferRejected if
         it cannot be accepted; nothing is held then)."""
         assert self.receives is not None, "prepare_receive needs role=decode"
+        self._raise_if_dead()
         plan = self.receives.prepare(message, set(self._requests))
         self._requests[message.request_id] = self.receives.receiving[message.request_id].request
+        # The reservation may have evicted cached blocks whose offload is still only decided:
+        # it must happen before the transfer writes the pages.
+        self._apply_decided_ops()
         return plan
 
     def complete_receive(self, request_id: str) -> None:
         assert self.receives is not None, "complete_receive needs role=decode"
         self.receives.complete(request_id)
+        self._apply_decided_ops()  # the received prompt's commit: its snapshot copy
 
     def fail_receive(
         self, request_id: str, reason: str, *, writer_done: bool
@@ -354,9 +438,11 @@ class Engine:
         return logits[: self._num_prompt_tokens.pop(request_id)]
 
     def _forget(self, request_id: str) -> None:
-        self.runner.keep_logits.discard(request_id)
         self._prompt_logits.pop(request_id, None)
         self._num_prompt_tokens.pop(request_id, None)
 
     def check_integrity(self) -> None:
+        """The caches' bookkeeping, and every rank against rank 0 (plans executed, pools)."""
         self.cache.check_integrity()
+        if self.dead is None:
+            self.executor.check_ranks()

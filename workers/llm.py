@@ -19,8 +19,20 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """`LLM(model, **engine_args)`; with `tensor_parallel_size > 1` the engine spans that many
+    processes until `shutdown()` (or the end of a `with` block, or of this process)."""
+
     def __init__(self, model: str = "tiny", **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -99,6 +111,8 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+        if self.engine.dead is not None:
+            raise RuntimeError(f"generation failed: {self.engine.dead}")
         return finished
 
 

@@ -1,6 +1,8 @@
-"""ModelRunner: the one place that turns scheduled requests into tensors and runs the model.
+"""ModelRunner: one rank's model shard and state pools; the one place that builds tensors.
 
-It owns the device: the weights, the KV block pool and Mamba slot pool tensors, and sampling.
+It executes step plans (step_plan.py): the plan's cache ops first, in order, then one forward
+pass over its chunks. Under tensor parallelism every rank runs the same plan on its own shard;
+the driver (rank 0) also samples, from logits gathered from every rank's vocabulary rows.
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.workers.cache.manager import HybridCacheManager
 from hybridserve.workers.cache_memory import CacheMemory
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.parallel import (
+    ParallelContext,
+    local_conv_sections,
+    local_kv_heads,
+)
 from hybridserve.workers.pool_memory import zeroed_pool
-from hybridserve.workers.sampler import Sampler, SamplingRow, mix_seed
-from hybridserve.workers.scheduler import ScheduledRequest, SchedulerOutput
+from hybridserve.workers.sampler import Sampler
+from hybridserve.workers.step_plan import ScheduledChunk, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -26,51 +32,67 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """How many blocks and slots every rank's pools hold (ids are shared by all ranks)."""
+
+    num_kv_blocks: int
+    num_mamba_slots: int
+    num_host_blocks: int = 0
+    num_host_slots: int = 0
+
+
 @dataclass
 class RunnerOutput:
-    sampled: list[int | None]  # per scheduled request, in scheduler order
+    sampled: list[int | None]  # per plan chunk, in plan order
     # request id -> logits (chunk_len, vocab) of every token of this step's chunk, for
-    # requests that asked for prompt logits.
+    # chunks with keep_logits.
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, rank: int = 0) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        return torch.device("cuda", rank)
     return torch.device(device)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, parallel: ParallelContext
+    ) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.parallel = parallel
+        self.device = resolve_device(config.device, parallel.tp_rank)
         self.dtype = DTYPES[config.dtype]
         self.model_config: HybridModelConfig = checkpoint.config
-        self.model = load_model(checkpoint, dtype=self.dtype, device=self.device)
+        self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, parallel=parallel)
         self.model.eval()
         self.model.pack_for_cpu()
         self.block_size = config.block_size
-        self.num_kv_blocks = self._num_kv_blocks(max_model_len)
-        self.num_mamba_slots = config.num_live_slots + config.num_snapshot_slots
-        self.caches = self._allocate_caches()
-        self.memory = CacheMemory(self.caches, config.host_cache_bytes)
         self.sampler = Sampler()
-        # Requests whose every chunk's logits are kept (prompt scoring).
-        self.keep_logits: set[str] = set()
+        self.caches = StateCaches(None, None, None)
+        self.memory: CacheMemory | None = None
 
-    def _kv_bytes_per_block(self) -> int:
+    # ---- pools ----------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        """One block of this rank's KV pool: every attention layer, K and V, its KV heads."""
         spec = self.model_config.attention
         if spec is None:
             return 0
-        elems = 2 * self.block_size * spec.num_kv_heads * spec.head_dim
+        heads = local_kv_heads(spec, self.parallel.tp_size)
+        elems = 2 * self.block_size * heads * spec.head_dim
         return self.model_config.num_attention_layers * elems * self.dtype.itemsize
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
+    def pool_sizes(self, max_model_len: int) -> PoolSizes:
+        """Block and slot counts from the config, or from the memory left on this rank."""
         config = self.config
         blocks_per_seq = -(-max_model_len // self.block_size)
-        per_block = self._kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block()
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory_bytes is not None:
@@ -88,18 +110,21 @@ class ModelRunner:
                 f"max_model_len={max_model_len} request needs {blocks_per_seq}: raise "
                 "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
-        return num_blocks
+        return PoolSizes(num_blocks, config.num_live_slots + config.num_snapshot_slots)
 
-    def _allocate_caches(self) -> StateCaches:
+    def allocate_pools(self, sizes: PoolSizes, host_counts: tuple[int, int] | None = None) -> None:
+        """This rank's shard of the pools; `host_counts` fixes the host tier (else it follows
+        from host_cache_bytes). `self.memory` reports the host tier it really got."""
         cfg = self.model_config
+        tp = self.parallel.tp_size
         kv = conv = ssm = None
         if cfg.attention is not None:
             kv = zeroed_pool(
                 (
-                    self.num_kv_blocks,
+                    sizes.num_kv_blocks,
                     cfg.num_attention_layers,
                     2,
-                    cfg.attention.num_kv_heads,
+                    local_kv_heads(cfg.attention, tp),
                     self.block_size,
                     cfg.attention.head_dim,
                 ),
@@ -107,59 +132,73 @@ class ModelRunner:
                 self.device,
             )
         if cfg.mamba is not None:
-            spec, slots, layers = cfg.mamba, self.num_mamba_slots, cfg.num_mamba_layers
+            spec, slots, layers = cfg.mamba, sizes.num_mamba_slots, cfg.num_mamba_layers
             conv = zeroed_pool(
-                (slots, layers, spec.conv_dim, spec.conv_kernel - 1), self.dtype, self.device
+                (slots, layers, sum(local_conv_sections(spec, tp)), spec.conv_kernel - 1),
+                self.dtype,
+                self.device,
             )
             ssm = zeroed_pool(
-                (slots, layers, spec.num_heads, spec.head_dim, spec.state_size),
+                (slots, layers, spec.num_heads // tp, spec.head_dim, spec.state_size),
                 DTYPES[self.config.mamba_ssm_dtype],
                 self.device,
             )
+        self.caches = StateCaches(kv=kv, conv=conv, ssm=ssm)
+        self.memory = CacheMemory(self.caches, self.config.host_cache_bytes, host_counts)
         logger.info(
-            "caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
-            self.num_kv_blocks,
+            "rank %d caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
+            self.parallel.tp_rank,
+            sizes.num_kv_blocks,
             self.block_size,
-            self.num_mamba_slots,
+            sizes.num_mamba_slots,
             sum(t.numel() * t.element_size() for t in (kv, conv, ssm) if t is not None) / 2**20,
         )
-        return StateCaches(kv=kv, conv=conv, ssm=ssm)
+
+    # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, cache: HybridCacheManager) -> RunnerOutput:
+    def execute(self, plan: StepPlan) -> RunnerOutput | None:
+        """Apply the plan's cache ops, run its chunks; the driver's result (None elsewhere)."""
+        assert self.memory is not None, "allocate_pools() first"
+        self.memory.apply(plan.cache_ops)
+        if not plan.chunks:
+            return RunnerOutput([]) if self.parallel.is_driver else None
         # Decode rows first (one token continuing from the live slot), sorted by slot so that
         # their states form one contiguous run of the pool; then prefill chunks.
-        def batch_position(i: int) -> tuple[bool, int]:
-            item = out.scheduled[i]
-            decode = _is_decode(item)
-            return (not decode, cache.live_slot(item.request.request_id) if decode else 0)
-
-        order = sorted(range(len(out.scheduled)), key=batch_position)
-        items = [out.scheduled[i] for i in order]
-        batch, row_ranges = self._build_batch(items, cache)
+        chunks = plan.chunks
+        order = sorted(
+            range(len(chunks)),
+            key=lambda i: (not chunks[i].is_decode, chunks[i].slot if chunks[i].is_decode else 0),
+        )
+        items = [chunks[i] for i in order]
+        batch, row_ranges = self._build_batch(items)
         hidden = self.model(batch, self.caches)
+        if batch.logits_indices.numel() == 0:
+            # Only mid-prompt chunks: no logits are needed, on any rank.
+            return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is None:
+            return None  # not the driver: rank 0 samples
 
         sampled: list[int | None] = [None] * len(items)
         chunk_logits: dict[str, torch.Tensor] = {}
         sample_positions: list[int] = []
         sample_rows: list[int] = []
-        sampling: list[SamplingRow] = []
-        for position, (item, (first, last)) in enumerate(zip(items, row_ranges, strict=True)):
-            if item.request.request_id in self.keep_logits:
-                chunk_logits[item.request.request_id] = logits[first : last + 1]
-            if item.samples:
+        for position, (chunk, (first, last)) in enumerate(zip(items, row_ranges, strict=True)):
+            if chunk.keep_logits:
+                chunk_logits[chunk.request_id] = logits[first : last + 1]
+            if chunk.sampling is not None:
                 sample_positions.append(position)
                 sample_rows.append(last)
-                sampling.append(_sampling_row(item))
         if sample_rows:
-            tokens = self.sampler.sample(logits[sample_rows], sampling)
+            rows = [items[p].sampling for p in sample_positions]
+            tokens = self.sampler.sample(logits[sample_rows], rows)  # type: ignore[arg-type]
             for position, token in zip(sample_positions, tokens, strict=True):
                 sampled[order[position]] = token
         return RunnerOutput(sampled=sampled, chunk_logits=chunk_logits)
 
     def _build_batch(
-        self, items: list[ScheduledRequest], cache: HybridCacheManager
+        self, items: list[ScheduledChunk]
     ) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """The packed batch, plus per item the (first, last) rows it owns in the logits."""
         bs = self.block_size
@@ -174,30 +213,24 @@ class ModelRunner:
         logits_indices: list[int] = []
         row_ranges: list[tuple[int, int]] = []
         num_decode = 0
-        for item in items:
-            request = item.request
-            start, end = (
-                request.num_computed_tokens,
-                request.num_computed_tokens + item.num_new_tokens,
-            )
-            table = cache.block_table(request.request_id)
-            slot = cache.live_slot(request.request_id)
+        for chunk in items:
+            start, end, table = chunk.start, chunk.end, chunk.block_ids
             token_offset = len(input_ids)
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table)
             seq_lens.append(end)
-            slots.append(slot)
-            if _is_decode(item):
+            slots.append(chunk.slot)
+            if chunk.is_decode:
                 num_decode += 1
             else:
-                cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
-                initial_slots.append(slot if start > 0 else -1)
+                cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
+                initial_slots.append(chunk.slot if start > 0 else -1)
             first_row = len(logits_indices)
-            if request.request_id in self.keep_logits:
+            if chunk.keep_logits:
                 logits_indices.extend(range(token_offset, len(input_ids)))
-            elif item.samples:
+            elif chunk.sampling is not None:
                 logits_indices.append(len(input_ids) - 1)
             row_ranges.append((first_row, len(logits_indices) - 1))
 
@@ -220,21 +253,3 @@ class ModelRunner:
             logits_indices=tensor(logits_indices),
         )
         return batch, row_ranges
-
-
-def _is_decode(item: ScheduledRequest) -> bool:
-    """One token that continues from the live slot; everything else takes the prefill path."""
-    return item.num_new_tokens == 1 and item.request.num_computed_tokens > 0
-
-
-def _sampling_row(item: ScheduledRequest) -> SamplingRow:
-    request = item.request
-    params = request.sampling_params
-    banned = tuple(request.stop_token_ids) if request.num_output_tokens < params.min_tokens else ()
-    return SamplingRow(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=mix_seed(request.sample_seed, request.num_output_tokens),
-        banned_token_ids=banned,
-    )

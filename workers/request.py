@@ -39,7 +39,8 @@ class Request:
     sample_seed: int
     # Reuse scope: requests with different salts (tenants) never share cached blocks.
     cache_salt: str | None = None
-    reuse_prefix: bool = True
+    # Prompt scoring: the logits of every prompt token come back, so none may be reused.
+    keep_logits: bool = False
     # For chat requests: tokens of the conversation rendered without the generation prompt,
     # when those are a true prefix of the prompt (where the next turn will diverge).
     stable_prompt_len: int | None = None

@@ -7,30 +7,9 @@ or on another engine (disaggregated decode).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers (splitmix64 finaliser over each value)."""
-    state = 0x9E3779B97F4A7C15
-    for value in values:
-        state = (state ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
-        state ^= state >> 31
-    return state >> 1
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    temperature: float
-    top_p: float
-    top_k: int | None
-    seed: int  # already mixed with the output position
-    banned_token_ids: tuple[int, ...] = ()  # stop tokens before min_tokens is reached
+from hybridserve.workers.step_plan import SamplingRow
 
 
 class Sampler:

@@ -9,6 +9,14 @@ When the KV pool runs dry for a running request, the most recently admitted requ
 preempted: its blocks and slot are freed and it goes back to the front of the queue to be
 recomputed from scratch (its tokens so far become its new "prompt" work; sampling is seeded
 by position, so it produces the same tokens again).
+
+Disaggregated requests stay here as states: a prefill engine's request that is handed off
+(its pages held for the transfer) and a decode engine's request whose state is still arriving
+sit in `transferring`, never scheduled and never preempted, until the scheduler's own
+transitions (`release_handoff`, `finish_receiving`, `fail_receiving`) move them on.
+
+The output of `schedule` carries a `StepPlan` (step_plan.py): the value every model runner
+executes, so nothing below the scheduler reads a `Request` or asks the cache anything.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridserve.workers.cache.manager import HybridCacheManager
+from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.outputs import FinishReason
 from hybridserve.workers.request import Request, RequestStatus
+from hybridserve.workers.step_plan import SamplingRow, ScheduledChunk, StepPlan, mix_seed
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # What the model runners execute; built once scheduling is done.
+    plan: StepPlan = field(default_factory=StepPlan)
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +59,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        cache: HybridCacheManager,
+        cache: CacheCoordinator,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -60,6 +71,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
+        # Handed off (prefill role) or receiving (decode role): holding pages for a transfer.
+        self.transferring: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for metrics
 
     def add(self, request: Request) -> None:
@@ -70,7 +83,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # The cache manager says where this pass's chunks must end (spec 2.3, invariant I4).
+        # The cache coordinator says where this pass's chunks must end, before every pass
+        # (docs/snapshot-reuse.md).
         for request in (*self.running, *self.waiting):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 request.expect_snapshot_points = self.cache.snapshot_points(request)
@@ -97,10 +111,25 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
+        out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
         return out
 
+    def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
+        request = item.request
+        start = request.num_computed_tokens
+        request_id = request.request_id
+        return ScheduledChunk(
+            request_id=request_id,
+            token_ids=request.token_ids[start : start + item.num_new_tokens],
+            start=start,
+            block_ids=list(self.cache.block_table(request_id)),
+            slot=self.cache.live_slot(request_id),
+            sampling=_sampling_row(request) if item.samples else None,
+            keep_logits=request.keep_logits,
+        )
+
     def chunk_size(self, request: Request, budget: int, position: int) -> int:
-        """Tokens to compute from `position` this step; 0 = not this step (spec 3.4).
+        """Tokens to compute from `position` this step; 0 = not this step.
 
         Without prefix caching: whatever fits. With it (FORCE_CHUNK): run to the next
         snapshot point or to the end; only the budget may cut that short, and then the chunk is
@@ -182,13 +211,72 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request from the queues and release everything it holds."""
+        """Remove a request from wherever it is and release everything it holds."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        else:
+            self.transferring.pop(request.request_id, None)
         if reason in ("stop", "length"):
             self.cache.commit_turn_end(request)
         self.cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    # ---- disaggregation: the transfer states ------------------------------------------------
+
+    def hand_off(self, request: Request) -> None:
+        """Prefill role: a request that just sampled its first token leaves the running set
+        but keeps its blocks and live slot (now holding the state after the whole prompt)
+        for the transfer, until `release_handoff`."""
+        assert request.status is RequestStatus.RUNNING
+        self.running.remove(request)
+        request.status = RequestStatus.HANDED_OFF
+        self.transferring[request.request_id] = request
+
+    def release_handoff(self, request: Request) -> None:
+        """The transfer is over (ack, abort or lease expiry): free the handoff's pages."""
+        del self.transferring[request.request_id]
+        self.cache.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def start_receiving(self, request: Request) -> None:
+        """Decode role: a request whose pages the cache coordinator just reserved; its state
+        is arriving, so it is not scheduled until `finish_receiving`."""
+        request.status = RequestStatus.RECEIVING
+        self.transferring[request.request_id] = request
+
+    def finish_receiving(self, request: Request) -> None:
+        """The state after the prompt has fully arrived: the request continues from there."""
+        del self.transferring[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.expect_snapshot_points = self.cache.snapshot_points(request)
+        self.cache.commit(request)  # the received prompt becomes reusable here too
+        self.running.append(request)
+
+    def fail_receiving(self, request: Request, *, recompute: bool, error: str) -> None:
+        """The transfer failed (its pages already went to a quarantine): recompute the request
+        here from scratch, or end it with `error`."""
+        del self.transferring[request.request_id]
+        if recompute:
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+        else:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "error"
+            request.error = error
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    params = request.sampling_params
+    banned = tuple(request.stop_token_ids) if request.num_output_tokens < params.min_tokens else ()
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=mix_seed(request.sample_seed, request.num_output_tokens),
+        banned_token_ids=banned,
+    )

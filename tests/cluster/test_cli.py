@@ -29,6 +29,15 @@ def test_generate_json_and_config_file(tmp_path, capsys):
     assert [len(json.loads(x)["token_ids"]) for x in capsys.readouterr().out.splitlines()] == [2, 2]
 
 
+def test_generate_across_two_rank_processes_gives_the_tokens_of_one(capsys):
+    argv = ["generate", "--prompt", "tensor parallel", "--max-tokens", "8", "--json"]
+    argv += ["--temperature", "0", "--max-model-len", "64", "--num-kv-blocks", "16"]
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*argv, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == one
+
+
 def test_unknown_config_key_is_rejected(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("max-tokenz: 5\n")
@@ -59,6 +68,9 @@ def test_version_and_help(capsys):
         main(["generate", "--help"])
     help_text = capsys.readouterr().out
     assert "--max-num-batched-tokens" in help_text and "(default: 2048)" in help_text
+    for flag in ("--tensor-parallel-size", "--enable-expert-parallel"):
+        assert flag in help_text
+    assert "--distributed-executor-backend {uni,mp,ray}" in help_text
 
 
 def test_export_tiny_writes_a_loadable_checkpoint(tmp_path, capsys):

@@ -8,7 +8,8 @@ configuration, the turns are replayed in a shuffled order, each base warmed (max
 right before its full prompt, and every full prompt's greedy tokens must equal the reference.
 
 Runs on tiny random checkpoints of every architecture; set HYBRIDSERVE_CONFORMANCE_MODEL to an
-HF checkpoint folder to run it against that model instead.
+HF checkpoint folder to run it against that model instead. One configuration per architecture
+also runs at tensor_parallel_size 2 (the same transcripts: TP 1 without reuse is the oracle).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "max_model_len": 512,
         "num_mamba_slots": COMMON["max_num_seqs"] + 6,
     },
+}
+# At tensor_parallel_size 2: one configuration per architecture, each stressing another path.
+TP_CONFIGS = {
+    "nemotron_h": "eviction",
+    "bamba": "interval-and-save-last",
+    "granitemoehybrid": "budget-below-interval",
+    "given": "interval-and-save-last",
 }
 
 
@@ -75,32 +83,46 @@ def build_transcripts(model: str) -> list[Turn]:
     scope="module",
     params=ARCHITECTURES if not os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL") else ["given"],
 )
-def transcripts(request, tmp_path_factory) -> tuple[str, list[Turn]]:
+def transcripts(request, tmp_path_factory) -> tuple[str, str, list[Turn]]:
     model = os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
     if model is None:
         folder: Path = tmp_path_factory.mktemp(request.param)
         make_hf_model(request.param).save_pretrained(folder)
         model = str(folder)
-    return model, build_transcripts(model)
+    return request.param, model, build_transcripts(model)
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_shuffled_multiturn_with_reuse_equals_no_reuse(transcripts, config_name):
-    model, turns = transcripts
+    _, model, turns = transcripts
+    with LLM(model, **COMMON | CONFIGS[config_name]) as llm:
+        replay(llm, turns, config_name)
+
+
+def test_shuffled_multiturn_with_reuse_equals_no_reuse_at_tp2(transcripts):
+    arch, model, turns = transcripts
+    config_name = TP_CONFIGS[arch]
+    with LLM(model, tensor_parallel_size=2, **COMMON | CONFIGS[config_name]) as llm:
+        replay(llm, turns, config_name)
+
+
+def replay(llm: LLM, turns: list[Turn], config_name: str) -> None:
+    """Every turn in shuffled order, its base warmed right before it; each answer must be the
+    reference's, with the reuse the configuration promises."""
     config = CONFIGS[config_name]
-    llm = LLM(model, **COMMON | config)
     events: list = []
     llm.engine.subscribe(type("Sink", (), {"on_cache_events": lambda self, e: events.extend(e)})())
     order = list(turns)
     random.Random(1234).shuffle(order)
     for turn in order:
-        # Spec 7.1 / I18: warm each base right before its full prompt, never all bases first.
+        # Warm each base right before its full prompt, never all bases first: under eviction
+        # pressure, warming every base up front would evict the entries under test.
         llm.generate([turn.base], WARM, use_tqdm=False)
         (out,) = llm.generate([turn.prompt], GREEDY, use_tqdm=False)
         assert out.token_ids == turn.answer, (config_name, turn.conversation, turn.index)
         assert out.num_cached_tokens <= len(turn.prompt) - 1
         if config_name == "save-last-only":
-            # The base's prompt-end snapshot is the deepest usable one (spec 2.9).
+            # The base's prompt-end snapshot is the deepest usable one.
             assert out.num_cached_tokens == len(turn.base), (turn.conversation, turn.index)
         elif config_name != "eviction":
             interval = config["mamba_snapshot_interval"]

@@ -37,7 +37,7 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
     receiver = TransferReceiver(
         engine,
         engine.layout,
-        create_backend(backend, Pools.of(engine.runner.caches), engine.config.transfer_streams),
+        create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         lock=lock,
     )
     emit({"address": list(receiver.address)})
@@ -78,7 +78,7 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
     sender = TransferSender(
         engine,
         engine.layout,
-        create_backend(backend, Pools.of(engine.runner.caches), engine.config.transfer_streams),
+        create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         (host, int(port)),
         lock=lock,
     )

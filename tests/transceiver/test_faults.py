@@ -77,8 +77,8 @@ def _is_clean(engine: Engine) -> bool:
     return (
         not engine.has_unfinished_requests()
         and not engine.has_pending_transfers()
-        and cache.num_free_blocks == engine.runner.num_kv_blocks
-        and cache.num_free_slots == cache.states.num_live_slots
+        and cache.num_free_blocks == engine.num_kv_blocks
+        and cache.num_free_slots == cache.mamba.num_live_slots
     )
 
 
@@ -125,9 +125,7 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
             decode,
             decode.layout,
             wrap_receiver(
-                create_backend(
-                    backend, Pools.of(decode.runner.caches), decode.config.transfer_streams
-                )
+                create_backend(backend, Pools.of(decode.caches), decode.config.transfer_streams)
             ),
             lock=decode_lock,
             timeout=receiver_timeout,
@@ -136,9 +134,7 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
             prefill,
             prefill.layout,
             wrap_sender(
-                create_backend(
-                    backend, Pools.of(prefill.runner.caches), prefill.config.transfer_streams
-                )
+                create_backend(backend, Pools.of(prefill.caches), prefill.config.transfer_streams)
             ),
             receiver.address,
             lock=prefill_lock,
@@ -208,7 +204,7 @@ def test_a_sender_timeout_frees_the_prefill_side_at_once(make_link, expected):
     assert "sent nothing for 0.2 s" in outcome.detail
     with link.prefill_lock:
         assert link.prefill.handoff_source("r0") is None  # released before any lease expiry
-        assert link.prefill.cache.num_free_blocks == link.prefill.runner.num_kv_blocks
+        assert link.prefill.cache.num_free_blocks == link.prefill.num_kv_blocks
     finished = link.decode_all()
     assert finished["r0"].token_ids == expected["r0"]
     link.assert_at_baseline()
@@ -400,7 +396,7 @@ def test_stale_or_out_of_range_destinations_are_refused_and_nothing_else_is_writ
     first, second = link.hand_off(SPECS[:2])
     assert link.send(first).status == "acked"
     with link.decode_lock:
-        caches = link.decode.runner.caches
+        caches = link.decode.caches
         before = (caches.kv.clone(), caches.conv.clone(), caches.ssm.clone())
     outcome = link.send(second)
     assert outcome.status == "failed"

@@ -17,25 +17,30 @@ def layout(tp: int = 1, rank: int = 0, **full) -> PeerLayout:
     """Rank `rank` of a TP-`tp` engine whose full (unsharded) model has `full` geometry."""
     geometry = {
         "kv_heads": 4,
-        "conv_sections": (64, 32, 32),
+        "inner": 64,
+        "groups": 2,
         "ssm_heads": 8,
         "layer_kinds": LAYER_KINDS,
     } | full
     kv = geometry.pop("kv_heads")
-    sections = geometry.pop("conv_sections")
+    inner, groups = geometry.pop("inner"), geometry.pop("groups")
     ssm_heads = geometry.pop("ssm_heads")
     kinds = geometry.pop("layer_kinds")
+    # Fewer KV heads or groups than ranks: each rank holds one (replicated).
+    group_rows = max(1, groups // tp) * geometry.get("ssm_state_size", 16)
     return PeerLayout(
         **{
             "model_id": "a97207e33d70f71b",
             "tp_size": tp,
             "tp_rank": rank,
             "layer_kinds": kinds,
-            "kv_heads_per_layer": tuple(kv // tp if k == "attention" else 0 for k in kinds),
+            "kv_heads_per_layer": tuple(max(1, kv // tp) if k == "attention" else 0 for k in kinds),
+            "num_kv_heads": kv if "attention" in kinds else 0,
             "block_size": 16,
             "head_dim": 16,
             "kv_dtype": "torch.bfloat16",
-            "conv_sections": tuple(s // tp for s in sections),
+            "conv_sections": (inner // tp, group_rows, group_rows),
+            "mamba_groups": groups,
             "conv_width": 3,
             "conv_dtype": "torch.bfloat16",
             "ssm_heads": ssm_heads // tp,
@@ -53,7 +58,13 @@ def test_the_hash_is_pinned():
     assert layout().compatibility_hash() == "82979435c9b0cc7f67ea407513bfed56"
 
 
-def test_the_full_geometry_multiplies_per_rank_sizes_back():
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_full_geometry_is_the_model_s_on_every_rank_even_with_replicated_shards(tp):
+    """At TP 4 the 2 B/C groups are replicated (one per rank) and at TP 4 and 8 a model with
+    one KV head holds it on every rank: the totals, not per-rank sizes times tp, count."""
+    assert layout(tp=tp, rank=tp - 1).full_geometry() == layout().full_geometry()
+    mqa = layout(kv_heads=1)
+    assert layout(tp=tp, rank=tp - 1, kv_heads=1).full_geometry() == mqa.full_geometry()
     assert layout(tp=4, rank=3).full_geometry() == {
         "model_id": "a97207e33d70f71b",
         "layer_kinds": list(LAYER_KINDS),
@@ -90,12 +101,13 @@ def test_the_hash_is_equal_across_tensor_parallel_sizes_and_ranks(tp, rank):
         ({"ssm_dtype": "torch.bfloat16"}, "ssm_dtype: local 'torch.float32' vs peer"),
         ({"head_dim": 32}, "head_dim"),
         ({"ssm_head_dim": 16}, "ssm_head_dim"),
-        ({"ssm_state_size": 32}, "ssm_state_size"),
+        # B and C hold n_groups * state_size channels each: the conv sections change too.
+        ({"ssm_state_size": 32}, ("ssm_state_size", "conv_sections: local [64, 32, 32] vs")),
         ({"conv_width": 2}, "conv_width"),
         ({"model_id": "another model"}, "model_id"),
         ({"kv_heads": 8}, "kv_heads: local 4 vs peer 8"),
         ({"ssm_heads": 16}, "ssm_heads"),
-        ({"conv_sections": (64, 16, 16)}, "conv_sections: local [64, 32, 32] vs peer [64, 16, 16]"),
+        ({"groups": 1}, "conv_sections: local [64, 32, 32] vs peer [64, 16, 16]"),
         (
             {"layer_kinds": ("attention", "mamba", "mlp", "mamba", "attention", "moe")},
             "layer_kinds",
@@ -112,9 +124,10 @@ def test_any_difference_in_what_shapes_the_bytes_changes_the_hash(change, named)
     assert local.compatibility_hash() != peer.compatibility_hash()
     with pytest.raises(LayoutMismatch, match="peer layout is incompatible") as info:
         check_compatible(local, peer)
-    assert named in str(info.value)
-    # Exactly the changed field is named (nothing else differs).
-    assert str(info.value).count(" vs peer ") == 1
+    names = (named,) if isinstance(named, str) else named
+    assert all(n in str(info.value) for n in names)
+    # Exactly what the change shapes is named (nothing else differs).
+    assert str(info.value).count(" vs peer ") == len(names)
 
 
 def test_a_mismatch_on_another_tp_size_is_still_found():
@@ -131,7 +144,7 @@ def test_a_mismatch_on_another_tp_size_is_still_found():
 
 @pytest.mark.parametrize(("local_tp", "peer_tp"), [(2, 3), (3, 2), (4, 6)])
 def test_tensor_parallel_sizes_must_divide_each_other(local_tp, peer_tp):
-    full = {"kv_heads": 12, "ssm_heads": 12, "conv_sections": (48, 24, 24)}
+    full = {"kv_heads": 12, "ssm_heads": 12, "inner": 48, "groups": 12}
     local, peer = layout(tp=local_tp, **full), layout(tp=peer_tp, **full)
     assert local.compatibility_hash() == peer.compatibility_hash()
     with pytest.raises(
@@ -142,7 +155,7 @@ def test_tensor_parallel_sizes_must_divide_each_other(local_tp, peer_tp):
 
 
 def test_kv_heads_per_rank_is_the_first_non_zero_layer():
-    """Spec 4.2: layer 0 of a hybrid is often Mamba (0 heads); an attention-free stage has 0."""
+    """Layer 0 of a hybrid is often Mamba (0 heads); an attention-free stage has 0."""
     assert layout(kv_heads=4).kv_heads_per_layer == (0, 4, 0, 0, 4, 0)
     assert layout(kv_heads=4).kv_heads_per_rank == 4
     assert layout(tp=2, kv_heads=4).kv_heads_per_rank == 2

@@ -42,10 +42,12 @@ LAYOUT = PeerLayout(
     tp_rank=1,
     layer_kinds=("mamba", "attention", "mlp", "mamba"),
     kv_heads_per_layer=(0, 1, 0, 0),
+    num_kv_heads=2,
     block_size=16,
     head_dim=32,
     kv_dtype="torch.bfloat16",
     conv_sections=(64, 16, 16),
+    mamba_groups=2,
     conv_width=3,
     conv_dtype="torch.bfloat16",
     ssm_heads=4,
@@ -119,19 +121,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 1, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 2, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "01"  # "v": 1
+        "a176" "02"  # "v": 2
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 1,
+        "v": 2,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -145,7 +147,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(2, "protocol version 2 is not 1"), (None, "protocol version None")]
+    ("version", "shown"), [(1, "protocol version 1 is not 2"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))

@@ -10,7 +10,7 @@ import torch
 
 from hybridserve.workers import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
-from hybridserve.workers.sampler import SamplingRow, mix_seed
+from hybridserve.workers.step_plan import SamplingRow, mix_seed
 from tests.helpers import assert_pools_at_baseline
 
 # Small pools keep engine start-up cheap (the default CPU KV pool is 1 GiB).
@@ -334,13 +334,13 @@ def test_without_a_seed_the_engine_seed_and_request_id_decide():
 def test_each_sample_is_seeded_by_the_request_seed_and_the_output_position(monkeypatch):
     engine = make_engine()
     rows: list[SamplingRow] = []
-    sample = engine.runner.sampler.sample
+    sample = engine.executor.driver.sampler.sample
 
     def recording_sample(logits, sampling_rows):
         rows.extend(sampling_rows)
         return sample(logits, sampling_rows)
 
-    monkeypatch.setattr(engine.runner.sampler, "sample", recording_sample)
+    monkeypatch.setattr(engine.executor.driver.sampler, "sample", recording_sample)
     params = SamplingParams(
         max_tokens=4, temperature=0.8, top_k=50, seed=5, min_tokens=2, stop_token_ids=(65,)
     )
@@ -444,11 +444,6 @@ def test_engine_config_rejects_both_kv_pool_sizes():
         EngineConfig(num_kv_blocks=8, kv_cache_memory_bytes=1 << 20)
 
 
-def test_engine_config_rejects_tensor_parallelism():
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        EngineConfig(tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize(
     ("field", "value"), [("max_num_seqs", 0), ("block_size", 0), ("dtype", "float64")]
 )
@@ -468,7 +463,7 @@ def test_a_kv_pool_smaller_than_one_request_is_rejected():
     with pytest.raises(ValueError, match="the KV pool has 15 blocks"):
         Engine(EngineConfig(max_model_len=64, block_size=4, kv_cache_memory_bytes=15 * 4096))
     engine = Engine(EngineConfig(max_model_len=64, block_size=4, kv_cache_memory_bytes=16 * 4096))
-    assert engine.runner.num_kv_blocks == 16
+    assert engine.num_kv_blocks == 16
 
 
 def test_max_model_len_beyond_the_model_is_rejected():

@@ -23,19 +23,19 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
     extended = [*first, 11, 12, 13]
     with_host = LLM("tiny", host_cache_bytes=64 << 20, **SMALL)
-    memory = with_host.engine.runner.memory
+    memory = with_host.engine.executor.driver.memory
     assert memory.host is not None and memory.num_host_blocks > 0 and memory.num_host_slots > 0
     with_host.generate([first], GREEDY)
     with_host.generate(others, GREEDY)  # pushes `first` out of the small device pools
     cache = with_host.engine.cache
-    assert cache.host is not None
+    assert cache.attention.host is not None and cache.mamba.host is not None
     assert any(n.block_id is None and n.host_block_id is not None for n in cache.tree.nodes())
     (out,) = with_host.generate([extended], GREEDY)
     assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
     without = LLM("tiny", enable_prefix_caching=False, **SMALL)
     assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
     assert_pools_at_baseline(with_host.engine)
-    assert cache.host.blocks.ids.num_free == cache.host.blocks.ids.size
+    assert cache.attention.host.ids.num_free == cache.attention.host.ids.size
 
 
 def test_without_a_host_tier_the_evicted_prefix_is_recomputed():
@@ -49,14 +49,15 @@ def test_without_a_host_tier_the_evicted_prefix_is_recomputed():
 
 
 def test_a_host_tier_that_cannot_be_set_up_is_a_warning_not_a_failed_start(monkeypatch, caplog):
-    def fail(self, host_bytes):
+    def fail(self, host_bytes, counts=None):
         raise RuntimeError("cannot pin 64 MiB: memlock limit")
 
     monkeypatch.setattr(CacheMemory, "_allocate_host", fail)
     with caplog.at_level(logging.WARNING):
         llm = LLM("tiny", host_cache_bytes=64 << 20, **SMALL)
     assert "could not be set up" in caplog.text and "memlock" in caplog.text
-    assert llm.engine.runner.memory.host is None and llm.engine.cache.host is None
+    assert llm.engine.executor.driver.memory.host is None
+    assert llm.engine.cache.attention.host is None
     (out,) = llm.generate([[1, 2, 3, 4]], GREEDY)
     assert len(out.token_ids) == 6
     assert_pools_at_baseline(llm.engine)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.workers.sampler import Sampler, SamplingRow, mix_seed
+from hybridserve.workers.sampler import Sampler
+from hybridserve.workers.step_plan import SamplingRow, mix_seed
 
 VOCAB = 50
 

@@ -19,7 +19,7 @@ def live_state_after(prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     engine.step()
     slot = 0  # the only request got the lowest live slot
     assert not engine.has_unfinished_requests(), request_id
-    caches = engine.runner.caches
+    caches = engine.caches
     return caches.conv[slot].clone(), caches.ssm[slot].clone()
 
 
@@ -33,7 +33,7 @@ def test_snapshot_equals_recomputed_state(position):
     assert reuse.num_tokens == position
     snapshot = reuse.snapshot
     assert snapshot is not None and snapshot.slot is not None
-    caches = engine.runner.caches
+    caches = engine.caches
     conv, ssm = live_state_after(PROMPT[:position])
     assert (caches.conv[snapshot.slot] - conv).abs().max() <= 1e-5
     assert (caches.ssm[snapshot.slot] - ssm).abs().max() <= 1e-5
@@ -51,7 +51,7 @@ def test_restore_copies_the_snapshot_into_the_live_slot():
     assert reuse.num_tokens == 75 and reuse.snapshot is not None
     allocation = engine.cache.allocate(request, 3, reuse)
     assert allocation is not None and allocation.reused_tokens == 75
-    caches = engine.runner.caches
+    caches = engine.caches
     assert torch.equal(caches.ssm[allocation.live_slot], caches.ssm[reuse.snapshot.slot])
     assert torch.equal(caches.conv[allocation.live_slot], caches.conv[reuse.snapshot.slot])
     engine.cache.free(request)

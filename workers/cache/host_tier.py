@@ -1,8 +1,9 @@
-"""HostTier: host-memory copies of evicted KV blocks and snapshots, least recently used first.
+"""The host tier: host-memory copies of evicted KV blocks and snapshots, least recently used
+first.
 
-When the device pools evict a cached block or snapshot and a host tier exists, its bytes are
-copied here and the prefix-tree node keeps it (`host_block_id` / `host_slot`). A later hit
-copies it back. When the host tier itself is full, its least recently used entry is dropped,
+When a device pool evicts a cached block or snapshot and its manager has a host region, the
+bytes are copied here and the prefix-tree node keeps it (`host_block_id` / `host_slot`). A later
+hit copies it back. When a host region itself is full, its least recently used entry is dropped,
 and a node left with no copy anywhere leaves the tree.
 """
 
@@ -46,20 +47,3 @@ class HostRegion(Generic[Item]):
 
     def check_integrity(self) -> None:
         self.ids.check_integrity(list(self._lru))
-
-
-class HostTier:
-    def __init__(
-        self,
-        num_blocks: int,
-        num_slots: int,
-        *,
-        on_drop_block: Callable,
-        on_drop_snapshot: Callable,
-    ) -> None:
-        self.blocks: HostRegion = HostRegion("host KV blocks", num_blocks, on_drop_block)
-        self.slots: HostRegion = HostRegion("host Mamba slots", num_slots, on_drop_snapshot)
-
-    def check_integrity(self) -> None:
-        self.blocks.check_integrity()
-        self.slots.check_integrity()

@@ -1,6 +1,6 @@
-"""MambaStateManager: live slots for running requests and a pool of snapshot slots.
+"""MambaStateManager: live slots for running requests and snapshot slots for the prefix tree.
 
-The Mamba state tensors have `num_live_slots + num_snapshot_slots` slots:
+The Mamba state pools have `num_live_slots + num_snapshot_slots` slots:
 
     slot:  0 ........ num_live_slots-1 | num_live_slots ........ total-1
            live (one per running request,  snapshots (owned by prefix-tree nodes,
@@ -8,15 +8,36 @@ The Mamba state tensors have `num_live_slots + num_snapshot_slots` slots:
 
 Keeping the two apart keeps live slots packed at the low end (decode rows then cover one
 contiguous run) and makes "enough slots for every running request" a fixed fact.
+
+Reuse rule for Mamba: a snapshot is the state after exactly `position` tokens, so only exact
+snapshot positions are reusable, never "anywhere inside a block". The deepest snapshot on the
+matched path wins; a snapshot past the point where the lookup leaves the tree is never used
+(it holds tokens the new request does not have).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from hybridserve.workers.cache.events import SnapshotRemoved, SnapshotStored
+from hybridserve.workers.cache.hashing import block_hash
+from hybridserve.workers.cache.host_tier import HostRegion
 from hybridserve.workers.cache.id_pool import IdPool
-from hybridserve.workers.cache.prefix_tree import Snapshot
+from hybridserve.workers.cache.ops import CacheOpLog, CopySlot, LoadSlot, OffloadSlot
+from hybridserve.workers.cache.prefix_tree import Match, Snapshot, TreeNode
+
+
+@dataclass(frozen=True)
+class SnapshotHit:
+    """The deepest usable snapshot of a lookup: the state after `position` tokens, on `node`
+    (the tree node holding token position - 1; a partial sibling of the matched block can be
+    the one that carries it)."""
+
+    position: int
+    node: TreeNode
+    snapshot: Snapshot
 
 
 class SnapshotPool:
@@ -76,16 +97,59 @@ class SnapshotPool:
 
 class MambaStateManager:
     def __init__(
-        self, num_live_slots: int, num_snapshot_slots: int, on_evict: Callable[[Snapshot], None]
+        self,
+        num_live_slots: int,
+        num_snapshot_slots: int,
+        ops: CacheOpLog,
+        events: list,
+        *,
+        num_host_slots: int = 0,
     ) -> None:
         self.num_live_slots = num_live_slots
+        self.ops = ops
+        self.events = events
         self.live = IdPool("Mamba live slots", num_live_slots, order="lowest")
-        self.snapshots = SnapshotPool(num_live_slots, num_snapshot_slots, on_evict)
+        self.snapshots = SnapshotPool(num_live_slots, num_snapshot_slots, self._evict)
+        self.host = (
+            HostRegion("host Mamba slots", num_host_slots, self._drop_host_copy)
+            if num_host_slots
+            else None
+        )
         self._live: dict[str, int] = {}
+        # The host slot a running restore reads from: never dropped meanwhile.
+        self._pinned: set[int] = set()
 
     @property
     def num_slots(self) -> int:
         return self.num_live_slots + self.snapshots.ids.size
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def longest_hit(self, match: Match, limit: int, *, partial: bool) -> SnapshotHit | None:
+        """The deepest snapshot at a position <= `limit` that the lookup can resume from.
+        Without `partial`, only snapshots at block boundaries count. Side-effect free."""
+        # Deepest block first; within a block, the usable snapshot of largest coverage among
+        # the nodes sharing a prefix with the lookup there (never beyond the fork: coverage
+        # <= tokens matched in that node). A deeper block always means a deeper position.
+        for index in range(len(match.levels) - 1, -1, -1):
+            usable = [
+                m
+                for m in match.levels[index]
+                if m.node.snapshot is not None
+                and m.node.snapshot.coverage <= m.num_tokens
+                and m.node.snapshot.position <= limit
+                and (partial or m.node.snapshot.coverage == m.node.block_size)
+            ]
+            if usable:
+                best = max(usable, key=lambda m: m.node.snapshot.coverage)  # type: ignore[union-attr]
+                assert best.node.snapshot is not None
+                return SnapshotHit(best.node.snapshot.position, best.node, best.node.snapshot)
+        return None
+
+    # ---- live slots -----------------------------------------------------------------------
+
+    def can_allocate(self) -> bool:
+        return self.live.num_free > 0
 
     def has_slot(self, request_id: str) -> bool:
         return request_id in self._live
@@ -98,17 +162,140 @@ class MambaStateManager:
         self._live[request_id] = slot
         return slot
 
-    def rename(self, request_id: str, new_id: str) -> None:
-        self._live[new_id] = self._live.pop(request_id)
-
     def live_slot(self, request_id: str) -> int:
         return self._live[request_id]
+
+    def rename(self, request_id: str, new_id: str) -> None:
+        self._live[new_id] = self._live.pop(request_id)
 
     def free(self, request_id: str) -> None:
         slot = self._live.pop(request_id, None)
         if slot is not None:
             self.live.free([slot])
 
-    def check_integrity(self) -> None:
+    # ---- snapshots ------------------------------------------------------------------------
+
+    def restore(self, snapshot: Snapshot, live_slot: int) -> None:
+        """Copy the snapshot into the live slot; promote it to the device if it was evicted."""
+        if snapshot.slot is not None:
+            self.ops.append(CopySlot(snapshot.slot, live_slot))
+            self.snapshots.touch(snapshot)
+            return
+        assert self.host is not None and snapshot.host_slot is not None
+        self.ops.append(LoadSlot(snapshot.host_slot, live_slot))
+        self._pinned = {snapshot.host_slot}
+        try:
+            slot = self.snapshots.allocate()
+        finally:
+            self._pinned = set()
+        if slot is not None:
+            self.ops.append(CopySlot(live_slot, slot))
+            self.host.free(snapshot.host_slot)
+            snapshot.host_slot = None
+            self.snapshots.attach(snapshot, slot)
+
+    def save(self, node: TreeNode, coverage: int, live_slot: int) -> Snapshot | None:
+        """Snapshot the live slot as the state after `coverage` tokens of `node`. A node keeps
+        one snapshot, the one of largest coverage. Returns the new snapshot; None when the node
+        already has one as deep, or there is no room for one (reuse is lost, correctness is
+        not)."""
+        existing = node.snapshot
+        if existing is not None and existing.coverage >= coverage:
+            if existing.coverage == coverage and existing.slot is not None:
+                self.snapshots.touch(existing)
+            return None
+        slot = self.snapshots.allocate()
+        if slot is None:
+            return None
+        self.ops.append(CopySlot(live_slot, slot))
+        if node.snapshot is not None:  # re-read: the allocation may have evicted it
+            self.drop(node.snapshot)
+        snapshot = Snapshot(node, coverage)
+        self.snapshots.attach(snapshot, slot)
+        node.snapshot = snapshot
+        self.events.append(_snapshot_stored(node, coverage))
+        return snapshot
+
+    def adopt(self, sibling: TreeNode, node: TreeNode) -> None:
+        """`node` replaces its shorter partial `sibling`: it takes the sibling's snapshot when it
+        has none or a shorter one, so the shorter endpoint stays reusable."""
+        adopted = sibling.snapshot
+        if adopted is None or (
+            node.snapshot is not None and node.snapshot.coverage >= adopted.coverage
+        ):
+            return
+        if node.snapshot is not None:
+            self.drop(node.snapshot)
+        sibling.snapshot, node.snapshot, adopted.node = None, adopted, node
+        self.events.append(SnapshotRemoved(sibling.key, adopted.coverage))
+        self.events.append(_snapshot_stored(node, adopted.coverage))
+
+    def demote(self, snapshot: Snapshot) -> None:
+        """A deeper snapshot on the same path supersedes `snapshot` for anything continuing
+        this sequence; only a fork between the two still needs it, so it goes first."""
+        self.snapshots.demote(snapshot)
+
+    def release_node(self, node: TreeNode) -> None:
+        """`node` leaves the tree: its snapshot goes too."""
+        if node.snapshot is not None:
+            self.drop(node.snapshot)
+
+    def drop(self, snapshot: Snapshot) -> None:
+        if snapshot.slot is not None:
+            self.snapshots.release(snapshot)
+        if snapshot.host_slot is not None:
+            assert self.host is not None
+            self.host.free(snapshot.host_slot)
+            snapshot.host_slot = None
+        self._detach(snapshot)
+
+    def _evict(self, snapshot: Snapshot) -> None:
+        """The snapshot pool needs this snapshot's device slot."""
+        slot = snapshot.slot
+        assert slot is not None
+        snapshot.slot = None
+        if self.host is not None and snapshot.host_slot is None:
+            host_slot = self.host.allocate(snapshot, pinned=self._pinned)
+            if host_slot is not None:
+                self.ops.append(OffloadSlot(slot, host_slot))
+                snapshot.host_slot = host_slot
+        if snapshot.host_slot is None:
+            self._detach(snapshot)
+
+    def _drop_host_copy(self, snapshot: Snapshot) -> None:
+        snapshot.host_slot = None
+        if snapshot.slot is None:
+            self._detach(snapshot)
+
+    def _detach(self, snapshot: Snapshot) -> None:
+        if snapshot.node.snapshot is snapshot:
+            snapshot.node.snapshot = None
+            self.events.append(SnapshotRemoved(snapshot.node.key, snapshot.coverage))
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def check_integrity(self, tree_nodes: Iterable[TreeNode]) -> list[str]:
+        """Recount the slot pools; returns the tree-side problems found."""
         self.live.check_integrity(list(self._live.values()))
         self.snapshots.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
+        problems = []
+        for node in tree_nodes:
+            snapshot = node.snapshot
+            if snapshot is not None and (
+                snapshot.node is not node
+                or (snapshot.slot is None and snapshot.host_slot is None)
+                or not 0 < snapshot.coverage <= node.num_tokens
+            ):
+                problems.append(f"bad snapshot on node at block {node.ordinal}")
+        return problems
+
+
+def _snapshot_stored(node: TreeNode, coverage: int) -> SnapshotStored:
+    if coverage == node.num_tokens:
+        return SnapshotStored(node.key, coverage)
+    assert node.parent is not None
+    return SnapshotStored(
+        node.key, coverage, block_hash(node.parent.key, node.token_ids[:coverage])
+    )

@@ -1,4 +1,9 @@
-"""Softmax attention over the paged KV cache (GQA, optional RoPE)."""
+"""Softmax attention over the paged KV cache (GQA, optional RoPE).
+
+Under tensor parallelism each rank computes its share of the query heads. KV heads are split
+the same way when there are at least as many as ranks; with fewer (down to one, MQA) each rank
+holds the one KV head its query heads read, replicated over tp / kv_heads ranks.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,12 @@ from hybridserve.kernels import paged_attention_decode, paged_attention_prefill,
 from hybridserve.workers.forward_batch import ForwardBatch
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
-    ParallelContext,
     RowParallelLinear,
+    split_ranges,
 )
 from hybridserve.workers.layers.rope import RotaryEmbedding
 from hybridserve.workers.models.config import AttentionSpec
+from hybridserve.workers.parallel import ParallelContext
 
 
 class Attention(nn.Module):
@@ -28,21 +34,20 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = parallel.split(spec.num_heads, "num_attention_heads")
-        self.num_kv_heads = parallel.split(spec.num_kv_heads, "num_key_value_heads")
         self.head_dim = spec.head_dim
         self.scale = spec.scale
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        common = {"parallel": parallel, "dtype": dtype, "device": device}
+        kv_rows = parallel.piece(kv_size, spec.num_kv_heads)
+        self.num_kv_heads = kv_rows[1] // spec.head_dim
+        common = {"dtype": dtype, "device": device}
         self.q_proj = ColumnParallelLinear(
-            hidden_size, [q_size], spec.bias, name="q_proj", **common
+            hidden_size, split_ranges([q_size], parallel), spec.bias, **common
         )
-        self.k_proj = ColumnParallelLinear(
-            hidden_size, [kv_size], spec.bias, name="k_proj", **common
+        self.k_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
+        self.v_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
+        self.o_proj = RowParallelLinear(
+            q_size, hidden_size, spec.bias, parallel, name="o_proj", **common
         )
-        self.v_proj = ColumnParallelLinear(
-            hidden_size, [kv_size], spec.bias, name="v_proj", **common
-        )
-        self.o_proj = RowParallelLinear(q_size, hidden_size, spec.bias, name="o_proj", **common)
         self.rope = (
             RotaryEmbedding(spec.rope, max_positions, device) if spec.rope is not None else None
         )

@@ -1,68 +1,58 @@
 """Linear layers that know how they are split across tensor-parallel ranks.
 
-Each parameter records how the full checkpoint tensor maps onto this rank (`shard_dim` plus the
-sizes of the independently split sections along it), so the loader can slice any checkpoint
-without knowing which layer it is filling. With `tp_size == 1` every layer is a plain linear.
+Each parameter records which parts of the full checkpoint tensor this rank holds (`shard_dim`
+plus (offset, length) ranges along it), so the loader can slice any checkpoint without knowing
+which layer it is filling. With `tp_size == 1` every layer is a plain linear.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
+from hybridserve.workers.parallel import ParallelContext
+
+Ranges = tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
-class ParallelContext:
-    """Where this model replica sits in its tensor-parallel group."""
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    # Sums a row-parallel partial output over the group; required when tp_size > 1.
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is outside a group of {self.tp_size}")
-        if self.tp_size > 1 and self.all_reduce is None:
-            raise ValueError("tensor parallelism needs an all_reduce function")
-
-    def split(self, size: int, what: str) -> int:
-        if size % self.tp_size:
-            raise ValueError(
-                f"{what} ({size}) is not divisible by tensor_parallel_size {self.tp_size}"
-            )
-        return size // self.tp_size
-
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial if self.all_reduce is None else self.all_reduce(partial)
-
-
-def mark_shard(param: nn.Parameter, dim: int, sections: Sequence[int]) -> nn.Parameter:
-    """Record that `param` holds this rank's 1/tp of each of `sections` (full sizes) along `dim`."""
+def mark_shard(param: nn.Parameter, dim: int, ranges: Sequence[tuple[int, int]]) -> nn.Parameter:
+    """Record that `param` holds, along `dim`, the (offset, length) `ranges` of the full
+    checkpoint tensor, concatenated in order. Rows past the full tensor's end (vocabulary
+    padding) load as zeros."""
     param.shard_dim = dim  # type: ignore[attr-defined]
-    param.shard_sections = tuple(sections)  # type: ignore[attr-defined]
+    param.shard_ranges = tuple(ranges)  # type: ignore[attr-defined]
     return param
 
 
-def shard_tensor(
-    full: torch.Tensor, param: nn.Parameter, parallel: ParallelContext
-) -> torch.Tensor:
+def split_ranges(sections: Sequence[int], parallel: ParallelContext) -> Ranges:
+    """This rank's 1/tp of each of `sections` (full sizes laid end to end)."""
+    ranges, offset = [], 0
+    for size in sections:
+        local = parallel.split(size, "section")
+        ranges.append((offset + parallel.tp_rank * local, local))
+        offset += size
+    return tuple(ranges)
+
+
+def shard_tensor(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """The part of a full checkpoint tensor that belongs in `param` on this rank."""
     dim = getattr(param, "shard_dim", None)
-    if dim is None or parallel.tp_size == 1:
+    if dim is None:
         return full
-    pieces = []
-    offset = 0
-    for section in param.shard_sections:  # type: ignore[attr-defined]
-        local = section // parallel.tp_size
-        pieces.append(full.narrow(dim, offset + parallel.tp_rank * local, local))
-        offset += section
-    return torch.cat(pieces, dim=dim)
+    pieces = [
+        full.narrow(dim, offset, max(0, min(length, full.shape[dim] - offset)))
+        for offset, length in param.shard_ranges  # type: ignore[attr-defined]
+    ]
+    part = torch.cat(pieces, dim=dim)
+    missing = param.shape[dim] - part.shape[dim]
+    if missing:
+        padding = list(part.shape)
+        padding[dim] = missing
+        part = torch.cat([part, part.new_zeros(padding)], dim=dim)
+    return part
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -86,30 +76,28 @@ class PackableLinear(nn.Module):
 
 
 class ColumnParallelLinear(PackableLinear):
-    """y = x W^T (+ b) with W's output rows split across ranks, section by section.
+    """y = x W^T (+ b) with W's output rows split across ranks.
 
-    `out_sections` lists the full output sizes of sections that must each be split on their own
-    (e.g. Mamba's in_proj = z | x | B | C | dt), so every rank gets a matching slice of each.
+    `out_rows` are this rank's (offset, length) ranges of the full output rows, e.g. one per
+    section of Mamba's in_proj = z | x | B | C | dt, so every rank gets a matching slice of
+    each (`split_ranges`), or a replicated KV head.
     """
 
     def __init__(
         self,
         in_features: int,
-        out_sections: Sequence[int],
+        out_rows: Sequence[tuple[int, int]],
         bias: bool,
-        parallel: ParallelContext,
         dtype: torch.dtype,
         device: torch.device | str | None,
-        name: str = "linear",
     ) -> None:
         super().__init__()
-        self.out_sections = tuple(parallel.split(s, f"{name} output section") for s in out_sections)
-        out_local = sum(self.out_sections)
+        out_local = sum(length for _, length in out_rows)
         self.weight = mark_shard(
-            new_param(out_local, in_features, dtype=dtype, device=device), 0, out_sections
+            new_param(out_local, in_features, dtype=dtype, device=device), 0, out_rows
         )
         self.bias = (
-            mark_shard(new_param(out_local, dtype=dtype, device=device), 0, out_sections)
+            mark_shard(new_param(out_local, dtype=dtype, device=device), 0, out_rows)
             if bias
             else None
         )
@@ -119,7 +107,10 @@ class ColumnParallelLinear(PackableLinear):
 
 
 class RowParallelLinear(PackableLinear):
-    """y = x W^T (+ b) with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x W^T (+ b) with W's input columns split across ranks; partial sums are all-reduced.
+
+    With `reduce=False` the output is this rank's partial sum (bias included on rank 0 only),
+    for a caller that adds several partials before one all-reduce."""
 
     def __init__(
         self,
@@ -130,17 +121,25 @@ class RowParallelLinear(PackableLinear):
         dtype: torch.dtype,
         device: torch.device | str | None,
         name: str = "linear",
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.reduce = reduce
         in_local = parallel.split(in_features, f"{name} input")
         self.weight = mark_shard(
-            new_param(out_features, in_local, dtype=dtype, device=device), 1, [in_features]
+            new_param(out_features, in_local, dtype=dtype, device=device),
+            1,
+            [(parallel.tp_rank * in_local, in_local)],
         )
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.reduce(self.matmul(x, None))
+        out = self.matmul(x, None)
+        if self.reduce:
+            out = self.parallel.reduce(out)
+        elif not self.parallel.is_driver:
+            return out  # the bias is added once, by rank 0's partial
         return out if self.bias is None else out + self.bias
 
 

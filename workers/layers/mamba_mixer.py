@@ -3,11 +3,18 @@
 State per sequence lives in a Mamba slot (conv window + SSM state for this layer). Decode rows
 advance it by one token with the single-step kernels; prefill sequences run the varlen conv and
 chunked scan, starting from zero (first chunk) or from the live slot (every later chunk).
+
+Under tensor parallelism each rank holds 1/tp of the heads (z, x, dt, the x conv channels, the
+SSM state). B and C come in `n_groups` groups, each read by a run of consecutive heads: with at
+least as many groups as ranks they are split too; with fewer, each rank holds the one group its
+heads read (replicated over tp / n_groups ranks). The gated norm normalises per group: a group
+whole on a rank is normalised there; one spread over several ranks sums its squares across them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.kernels import (
@@ -20,12 +27,12 @@ from hybridserve.kernels import (
 from hybridserve.workers.forward_batch import ForwardBatch
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
-    ParallelContext,
     RowParallelLinear,
     mark_shard,
     new_param,
 )
 from hybridserve.workers.models.config import MambaSpec
+from hybridserve.workers.parallel import ParallelContext
 
 
 class MambaMixer(nn.Module):
@@ -39,38 +46,62 @@ class MambaMixer(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = spec
-        self.num_heads = parallel.split(spec.num_heads, "mamba_num_heads")
-        self.n_groups = parallel.split(spec.n_groups, "mamba_n_groups")
-        self.intermediate = self.num_heads * spec.head_dim
-        self.group_state = self.n_groups * spec.state_size
+        self.parallel = parallel
         inner, group_state, heads = (spec.intermediate_size, spec.group_state_size, spec.num_heads)
-        common = {"parallel": parallel, "dtype": dtype, "device": device}
-        # in_proj rows: z (gate) | x | B | C | dt; each section is split across ranks separately.
+        self.num_heads = parallel.split(heads, "mamba_num_heads")
+        self.intermediate = self.num_heads * spec.head_dim
+        group_rows = parallel.piece(group_state, spec.n_groups)  # this rank's B (and C) rows
+        self.group_state = group_rows[1]
+        self.n_groups = self.group_state // spec.state_size
+        # A norm group spans ranks when groups are replicated: rank r's heads are part of
+        # group `norm_group` (its sum of squares is completed across ranks).
+        self.norm_spans_ranks = spec.n_groups < parallel.tp_size
+        self.norm_group = group_rows[0] // spec.state_size
+        head_rows = (parallel.tp_rank * self.intermediate, self.intermediate)
+        dt_rows = (parallel.tp_rank * self.num_heads, self.num_heads)
+
+        def shifted(rows: tuple[int, int], by: int) -> tuple[int, int]:
+            return rows[0] + by, rows[1]
+
+        # in_proj rows: z (gate) | x | B | C | dt, each section cut for this rank on its own.
         self.in_proj = ColumnParallelLinear(
             hidden_size,
-            [inner, inner, group_state, group_state, heads],
+            [
+                head_rows,
+                shifted(head_rows, inner),
+                shifted(group_rows, 2 * inner),
+                shifted(group_rows, 2 * inner + group_state),
+                shifted(dt_rows, 2 * inner + 2 * group_state),
+            ],
             spec.proj_bias,
-            name="mamba in_proj",
-            **common,
+            dtype,
+            device,
         )
-        conv_sections = [inner, group_state, group_state]
+        # conv channels: x | B | C, cut the same way.
+        conv_rows = [
+            head_rows,
+            shifted(group_rows, inner),
+            shifted(group_rows, inner + group_state),
+        ]
         conv_local = self.intermediate + 2 * self.group_state
         self.conv_weight = mark_shard(
-            new_param(conv_local, 1, spec.conv_kernel, dtype=dtype, device=device), 0, conv_sections
+            new_param(conv_local, 1, spec.conv_kernel, dtype=dtype, device=device), 0, conv_rows
         )
         self.conv_bias = (
-            mark_shard(new_param(conv_local, dtype=dtype, device=device), 0, conv_sections)
+            mark_shard(new_param(conv_local, dtype=dtype, device=device), 0, conv_rows)
             if spec.conv_bias
             else None
         )
-        self.dt_bias = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [heads])
-        self.A_log = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [heads])
-        self.D = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [heads])
+        self.dt_bias = mark_shard(
+            new_param(self.num_heads, dtype=dtype, device=device), 0, [dt_rows]
+        )
+        self.A_log = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [dt_rows])
+        self.D = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [dt_rows])
         self.norm_weight = mark_shard(
-            new_param(self.intermediate, dtype=dtype, device=device), 0, [inner]
+            new_param(self.intermediate, dtype=dtype, device=device), 0, [head_rows]
         )
         self.out_proj = RowParallelLinear(
-            inner, hidden_size, spec.proj_bias, name="mamba out_proj", **common
+            inner, hidden_size, spec.proj_bias, parallel, dtype, device, name="mamba out_proj"
         )
 
     def forward(
@@ -153,11 +184,25 @@ class MambaMixer(nn.Module):
                 ).out
             )
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        y = gated_rms_norm(
-            y.reshape(num_tokens, self.intermediate),
-            z,
-            self.norm_weight,
-            group_size=self.intermediate // groups,
-            eps=spec.norm_eps,
-        )
+        y = y.reshape(num_tokens, self.intermediate)
+        if self.norm_spans_ranks:
+            y = self._gated_norm_across_ranks(y, z)
+        else:
+            group_size = self.intermediate // groups
+            y = gated_rms_norm(y, z, self.norm_weight, group_size=group_size, eps=spec.norm_eps)
         return self.out_proj(y)
+
+    def _gated_norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMS norm when this rank holds only part of its norm group: each rank's
+        sum of squares goes into its group's column, one all-reduce completes every group.
+
+            rank:     0        1        2        3          (n_groups 2, tp 4)
+            channels: [ group 0 ........ ][ group 1 ........ ]
+        """
+        h = y.float() * F.silu(z.float())
+        sums = h.new_zeros(h.shape[0], self.spec.n_groups)
+        sums[:, self.norm_group] = h.square().sum(dim=-1)
+        group_size = self.spec.intermediate_size // self.spec.n_groups
+        variance = self.parallel.reduce(sums)[:, self.norm_group] / group_size
+        normed = h * torch.rsqrt(variance + self.spec.norm_eps)[:, None]
+        return (normed * self.norm_weight.float()).to(y.dtype)

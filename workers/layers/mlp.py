@@ -8,10 +8,11 @@ from torch import nn
 from hybridserve.workers.layers.activation import ACTIVATIONS
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
-    ParallelContext,
     RowParallelLinear,
+    split_ranges,
 )
 from hybridserve.workers.models.config import MLPSpec
+from hybridserve.workers.parallel import ParallelContext
 
 
 class MLP(nn.Module):
@@ -22,22 +23,27 @@ class MLP(nn.Module):
         parallel: ParallelContext,
         dtype: torch.dtype,
         device: torch.device | str | None,
+        *,
+        reduce: bool = True,
     ) -> None:
+        """With `reduce=False` the output is this rank's partial sum (see RowParallelLinear)."""
         super().__init__()
         self.gated = spec.gated
         self.act = ACTIVATIONS[spec.activation]
-        common = {"parallel": parallel, "dtype": dtype, "device": device}
+        common = {"dtype": dtype, "device": device}
         size = spec.intermediate_size
         if spec.gated:
             # Fused [gate | up] rows, each half split across ranks on its own.
             self.gate_up_proj = ColumnParallelLinear(
-                hidden_size, [size, size], spec.bias, name="gate_up_proj", **common
+                hidden_size, split_ranges([size, size], parallel), spec.bias, **common
             )
         else:
             self.up_proj = ColumnParallelLinear(
-                hidden_size, [size], spec.bias, name="up_proj", **common
+                hidden_size, split_ranges([size], parallel), spec.bias, **common
             )
-        self.down_proj = RowParallelLinear(size, hidden_size, spec.bias, name="down_proj", **common)
+        self.down_proj = RowParallelLinear(
+            size, hidden_size, spec.bias, parallel, name="down_proj", reduce=reduce, **common
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -1,4 +1,11 @@
-"""Mixture of experts: a router picks top-k experts per token, plus an optional shared expert."""
+"""Mixture of experts: a router picks top-k experts per token, plus an optional shared expert.
+
+Under tensor parallelism every rank routes every token (the router is replicated). By default
+(TP-MoE) each rank holds 1/tp of every expert's intermediate dimension; with expert parallelism
+it holds whole experts, a contiguous run of them (uneven counts allowed), and computes only the
+tokens routed there. Either way each rank's routed output and its share of the shared expert
+are partial sums of the layer's output: one all-reduce per layer completes both.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.workers.layers.activation import ACTIVATIONS
-from hybridserve.workers.layers.linear import (
-    ParallelContext,
-    ReplicatedLinear,
-    mark_shard,
-    new_param,
-)
+from hybridserve.workers.layers.linear import ReplicatedLinear, mark_shard, new_param
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.models.config import MoESpec
+from hybridserve.workers.parallel import ParallelContext
 
 
 class Router(nn.Module):
@@ -58,7 +61,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts' weights as stacked tensors: up (E, I or 2I, Hin), down (E, Hin, I)."""
+    """This rank's routed experts as stacked tensors: up (E_local, I_local or 2 I_local, Hin),
+    down (E_local, Hin, I_local). TP-MoE: every expert, I / tp of it; expert parallelism:
+    experts [first, first + E_local), all of I."""
 
     def __init__(
         self,
@@ -72,31 +77,48 @@ class Experts(nn.Module):
         self.gated = spec.gated
         self.act = ACTIVATIONS[spec.activation]
         size = spec.intermediate_size
-        local = parallel.split(size, "moe_intermediate_size")
-        up_sections = [size, size] if spec.gated else [size]
-        self.up = mark_shard(
-            new_param(
-                spec.num_experts, local * len(up_sections), input_size, dtype=dtype, device=device
-            ),
-            1,
-            up_sections,
-        )
-        self.down = mark_shard(
-            new_param(spec.num_experts, input_size, local, dtype=dtype, device=device), 2, [size]
-        )
+        num_up = 2 if spec.gated else 1  # [gate | up] rows
+        if parallel.expert_parallel:
+            self.first_expert, num_local = parallel.expert_range(spec.num_experts)
+            local = size
+            expert_rows = [(self.first_expert, num_local)]
+            self.up = mark_shard(
+                new_param(num_local, local * num_up, input_size, dtype=dtype, device=device),
+                0,
+                expert_rows,
+            )
+            self.down = mark_shard(
+                new_param(num_local, input_size, local, dtype=dtype, device=device), 0, expert_rows
+            )
+        else:
+            self.first_expert, num_local = 0, spec.num_experts
+            local = parallel.split(size, "moe_intermediate_size")
+            rows = (parallel.tp_rank * local, local)
+            self.up = mark_shard(
+                new_param(num_local, local * num_up, input_size, dtype=dtype, device=device),
+                1,
+                [(rows[0] + k * size, local) for k in range(num_up)],
+            )
+            self.down = mark_shard(
+                new_param(num_local, input_size, local, dtype=dtype, device=device), 2, [rows]
+            )
 
     def forward(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden (T, Hin), expert_ids / weights (T, k) -> (T, Hin) float32 partial sums."""
         top_k = expert_ids.shape[1]
-        flat_experts = expert_ids.flatten()
-        order = flat_experts.argsort(stable=True)
+        num_local = self.up.shape[0]
+        # Local expert index of every (token, choice); choices routed elsewhere count in the
+        # extra bin `num_local` and are skipped.
+        local_ids = expert_ids.flatten() - self.first_expert
+        local_ids = torch.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
+        order = local_ids.argsort(stable=True)
         token_ids = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.up.shape[0]).tolist()
+        counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[:num_local]):
             if count == 0:
                 continue
             rows = order[start : start + count]
@@ -133,7 +155,7 @@ class MoE(nn.Module):
             self.latent_out = ReplicatedLinear(spec.latent_size, hidden_size, False, dtype, device)
         self.experts = Experts(spec, expert_input, parallel, dtype, device)
         self.shared = (
-            MLP(spec.shared, hidden_size, parallel, dtype, device)
+            MLP(spec.shared, hidden_size, parallel, dtype, device, reduce=False)
             if spec.shared is not None
             else None
         )
@@ -141,8 +163,11 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         expert_ids, weights = self.router(hidden)
         routed_input = hidden if self.latent_in is None else self.latent_in(hidden)
-        routed = self.parallel.reduce(self.experts(routed_input, expert_ids, weights))
-        routed = routed.to(hidden.dtype)
+        # Partial sums on every rank (latent_out is linear without bias, so it can map the
+        # partial before the reduction).
+        out = self.experts(routed_input, expert_ids, weights).to(hidden.dtype)
         if self.latent_out is not None:
-            routed = self.latent_out(routed)
-        return routed if self.shared is None else routed + self.shared(hidden)
+            out = self.latent_out(out)
+        if self.shared is not None:
+            out = out + self.shared(hidden)
+        return self.parallel.reduce(out)

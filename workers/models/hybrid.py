@@ -14,12 +14,14 @@ from torch import nn
 from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.layers.attention import Attention
-from hybridserve.workers.layers.linear import PackableLinear, ParallelContext, new_param
+from hybridserve.workers.layers.linear import PackableLinear
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.layers.vocab import VocabParallelEmbedding, gather_logits, vocab_param
 from hybridserve.workers.models.config import HybridModelConfig, LayerKind
+from hybridserve.workers.parallel import ParallelContext
 
 
 class Sublayer(nn.Module):
@@ -76,8 +78,10 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         parallel = parallel or ParallelContext()
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed.weight.requires_grad_(False)
+        self.parallel = parallel
+        self.embed = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel, dtype, device
+        )
         cache_indices = {"mamba": 0, "attention": 0}
         layers = []
         for kind in config.layer_kinds:
@@ -91,7 +95,7 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else new_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else vocab_param(config.vocab_size, config.hidden_size, parallel, dtype, device)
         )
 
     @property
@@ -118,8 +122,13 @@ class HybridForCausalLM(nn.Module):
             pack_weight(self.lm_head_weight) if can_pack(self.lm_head_weight) else None
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, hidden) -> float32 logits (R, vocab)."""
-        logits = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(R, hidden) -> float32 logits (R, vocab) on rank 0; None on the other ranks (every
+        rank computes its vocabulary rows, rank 0 gathers them)."""
+        local = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed)
+        logits = gather_logits(local, self.parallel, self.config.vocab_size)
+        if logits is None:
+            return None
+        logits = logits.float()
         divisor = self.config.logits_divisor
         return logits if divisor == 1.0 else logits / divisor

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from hybridserve.workers.layers.linear import ParallelContext, shard_tensor
+from hybridserve.workers.layers.linear import shard_tensor
 from hybridserve.workers.models.adapter import ArchitectureAdapter, WeightSource
 from hybridserve.workers.models.config import (
     ConfigError,
@@ -27,6 +27,7 @@ from hybridserve.workers.models.config import (
 )
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.registry import get_adapter
+from hybridserve.workers.parallel import ParallelContext
 from hybridserve.workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,37 @@ def open_checkpoint(model: str) -> Checkpoint:
 
         return tiny_checkpoint()
     folder = Path(model).expanduser()
-    config_file = folder / "config.json"
+    raw, config_file = _raw_config(model)
+    generation_eos: tuple[int, ...] = ()
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        value = json.loads(generation_file.read_text()).get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        generation_eos = tuple(v for v in values if isinstance(v, int))
+    return Checkpoint(
+        name=str(folder),
+        raw_config=raw,
+        config_file=config_file,
+        tensors=SafetensorsSource(folder),
+        tokenizer=load_tokenizer(model),
+        generation_eos_ids=generation_eos,
+    )
+
+
+def read_model_config(model: str) -> HybridModelConfig:
+    """Only the model description of `model` ("tiny" or a checkpoint folder): no weights, no
+    tokenizer (cheap enough for config validation)."""
+    raw, config_file = _raw_config(model)
+    adapter = get_adapter(raw.get("model_type"), config_file)
+    return adapter.parse_config(ConfigReader(raw, config_file))
+
+
+def _raw_config(model: str) -> tuple[dict[str, Any], str]:
+    if model == "tiny":
+        from hybridserve.workers.models.tiny import TINY_CONFIG
+
+        return dict(TINY_CONFIG), "tiny/config.json"
+    config_file = Path(model).expanduser() / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
             f"model {model!r}: no config.json there (expected 'tiny' or an "
@@ -135,20 +166,7 @@ def open_checkpoint(model: str) -> Checkpoint:
         raise ConfigError(str(config_file), "(file)", f"not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(str(config_file), "(file)", "expected a JSON object")
-    generation_eos: tuple[int, ...] = ()
-    generation_file = folder / "generation_config.json"
-    if generation_file.is_file():
-        value = json.loads(generation_file.read_text()).get("eos_token_id")
-        values = value if isinstance(value, list) else [] if value is None else [value]
-        generation_eos = tuple(v for v in values if isinstance(v, int))
-    return Checkpoint(
-        name=str(folder),
-        raw_config=raw,
-        config_file=str(config_file),
-        tensors=SafetensorsSource(folder),
-        tokenizer=load_tokenizer(model),
-        generation_eos_ids=generation_eos,
-    )
+    return raw, str(config_file)
 
 
 def load_model(
@@ -178,7 +196,7 @@ def load_model(
             )
         full = _assemble(source, chosen, full_shapes[name], dtype)
         with torch.no_grad():
-            param.copy_(shard_tensor(full, param, parallel))
+            param.copy_(shard_tensor(full, param))
         used.update(s.key for s in chosen)
     ignored = checkpoint.adapter.ignored_keys
     unused = sorted(k for k in available - used if ignored is None or not ignored.search(k))

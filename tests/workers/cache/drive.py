@@ -1,4 +1,4 @@
-"""Driving HybridCacheManager as the scheduler does, for the reuse, eviction and host-tier tests:
+"""Driving CacheCoordinator as the scheduler does, for the reuse, eviction and host-tier tests:
 `allocate` a chunk, advance `num_computed_tokens`, `commit`, and `free` when done, checking
 integrity after each step. The spec's lookup lengths exclude the prompt's last token
 (`find_reuse` drops it itself), so a "lookup of n tokens" is a prompt of n + 1 tokens here.

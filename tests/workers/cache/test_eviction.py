@@ -14,9 +14,9 @@ from hybridserve.workers.cache.events import (
 from hybridserve.workers.cache.hashing import root_hash
 from tests.helpers import (
     assert_cache_at_baseline,
-    executor_of,
     make_prefix_cache,
     make_request,
+    take_ops,
     tokens,
 )
 from tests.workers.cache.drive import (
@@ -83,7 +83,7 @@ def test_a_full_snapshot_pool_evicts_the_oldest_snapshot(snapshots, reused):
         expected += [SnapshotRemoved(k0, 4)]
     assert cache.take_events() == [*expected, SnapshotStored(k1, 4)]
     slot_at_8 = 2 if snapshots == 1 else 3
-    assert executor_of(cache).calls == [("copy_slot", 0, 2), ("copy_slot", 0, slot_at_8)]
+    assert take_ops(cache) == [("copy_slot", 0, 2), ("copy_slot", 0, slot_at_8)]
     # A fork inside block 1 needs the snapshot at 4.
     assert reuse_of(cache, tokens(6) + tokens(3, OTHER))[0] == reused
     assert reuse_of(cache, tokens(10))[0] == 8
@@ -110,7 +110,7 @@ def test_without_snapshot_slots_blocks_are_committed_but_nothing_is_reusable():
     cache = small_cache(snapshots=0)
     commit_nine(cache)
     assert [type(e) for e in cache.take_events()] == [BlockStored, BlockStored]
-    assert executor_of(cache).calls == []  # no snapshot copy was taken
+    assert take_ops(cache) == []  # no snapshot copy was taken
     assert reuse_of(cache, tokens(10)) == (0, 8, 9)
     assert_cache_at_baseline(cache)
 
@@ -126,7 +126,7 @@ def test_without_a_block_for_the_partial_copy_the_commit_stops_there():
         BlockStored(k1, k0, 4),
         BlockStored(k2, k1, 4),
     ]
-    assert executor_of(cache).calls == []
+    assert take_ops(cache) == []
     assert reuse_of(cache, tokens(16)) == (0, 12, 15)
     cache.free(request)
     assert_cache_at_baseline(cache)
@@ -157,16 +157,16 @@ def test_allocation_fails_whole_when_the_pool_is_short():
     hog = make_request("hog", prompt=tokens(8, OTHER))
     admit(cache, hog, points=[])
     advance(cache, hog, 8)  # takes blocks 3 and 2: only the cached 1 and 0 remain free
-    executor_of(cache).take()
+    take_ops(cache)
     cache.take_events()
     b = make_request("b", prompt=tokens(16))
     reuse = cache.find_reuse(b)
     assert reuse.num_tokens == 8
     # 2 shared + 2 new blocks needed, but the 2 free ones are the shared ones.
     assert cache.allocate(b, 8, reuse) is None
-    assert (b.num_computed_tokens, cache.states.has_slot("b")) == (0, False)
-    assert (executor_of(cache).calls, cache.take_events()) == ([], [])
-    assert cache.num_free_blocks == 2 and cache.blocks.pool.num_cached == 2
+    assert (b.num_computed_tokens, cache.mamba.has_slot("b")) == (0, False)
+    assert (take_ops(cache), cache.take_events()) == ([], [])
+    assert cache.num_free_blocks == 2 and cache.attention.pool.num_cached == 2
     cache.check_integrity()
     assert cache.allocate(b, 0, reuse) is not None  # the reused part alone fits
     assert cache.block_table("b") == [0, 1]

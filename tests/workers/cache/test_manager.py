@@ -1,4 +1,4 @@
-"""HybridCacheManager: all-or-nothing allocation, block-table growth, freeing, integrity."""
+"""CacheCoordinator: all-or-nothing allocation, block-table growth, freeing, integrity."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_too_few_blocks_returns_none_and_changes_nothing():
     assert before == (1, 1)
     assert cache.allocate(b, 8) is None  # needs 2 blocks, 1 free
     assert counts(cache) == before
-    assert not cache.states.has_slot("b")  # no slot was taken for the failed request
+    assert not cache.mamba.has_slot("b")  # no slot was taken for the failed request
     with pytest.raises(KeyError):
         cache.block_table("b")
     # A running request that cannot grow keeps what it had.
@@ -94,7 +94,7 @@ def test_no_free_slot_returns_none_and_changes_nothing():
     assert counts(cache) == (7, 0)
     assert cache.allocate(b, 4) is None
     assert counts(cache) == (7, 0)
-    assert not cache.states.has_slot("b")
+    assert not cache.mamba.has_slot("b")
     cache.check_integrity()
     # The slot holder itself can still grow: it needs no new slot.
     a.num_computed_tokens = 4
@@ -127,7 +127,7 @@ def test_free_returns_every_block_and_the_slot():
 def test_check_integrity_catches_a_block_in_two_tables():
     cache = make_cache(num_blocks=4, block_size=4)
     cache.allocate(make_request("a", 8), 8)
-    cache.blocks._tables["ghost"] = [cache.block_table("a")[1]]
+    cache.attention._tables["ghost"] = [cache.block_table("a")[1]]
     with pytest.raises(RuntimeError) as info:
         cache.check_integrity()
     held = cache.block_table("a")[1]
@@ -138,7 +138,7 @@ def test_check_integrity_catches_a_block_in_two_tables():
 def test_check_integrity_catches_a_leaked_slot():
     cache = make_cache(num_blocks=4, block_size=4, num_slots=3)
     cache.allocate(make_request("a", 4), 4)
-    del cache.states._live["a"]  # the slot is lost to everyone
+    del cache.mamba._live["a"]  # the slot is lost to everyone
     with pytest.raises(RuntimeError) as info:
         cache.check_integrity()
     assert str(info.value) == (

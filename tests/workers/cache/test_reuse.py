@@ -1,4 +1,4 @@
-"""Snapshot-aware prefix reuse through HybridCacheManager (spec 2.2-2.8, 5): what a prompt
+"""Snapshot-aware prefix reuse through CacheCoordinator (spec 2.2-2.8, 5): what a prompt
 can reuse after other requests committed, and what `allocate` does with it. Requests are
 driven as the scheduler drives them (`drive.py`)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybridserve.workers.cache.coordinator import CacheStats
 from hybridserve.workers.cache.events import (
     BlockRemoved,
     BlockStored,
@@ -13,13 +14,12 @@ from hybridserve.workers.cache.events import (
     SnapshotStored,
 )
 from hybridserve.workers.cache.hashing import root_hash
-from hybridserve.workers.cache.manager import CacheStats
 from hybridserve.workers.config import EngineConfig
 from tests.helpers import (
     assert_cache_at_baseline,
-    executor_of,
     make_prefix_cache,
     make_request,
+    take_ops,
     tokens,
 )
 from tests.workers.cache.drive import (
@@ -58,21 +58,21 @@ def test_a_commits_blocks_and_snapshots_at_its_points():
         (8, 32, 8, None),
         (9, 12, 10, 12),  # position 300: the tree's own copy of a's partial block 9
     ]
-    assert executor_of(cache).calls == [
+    assert take_ops(cache) == [
         ("copy_slot", 0, 2),
         ("copy_slot", 0, 3),
         ("copy_block", 9, 10, 12),
         ("copy_slot", 0, 4),
     ]
     assert sorted(n.snapshot.position for n in cache.tree.nodes() if n.snapshot) == [128, 256, 300]
-    assert (cache.blocks.pool.num_cached, cache.num_free_blocks) == (10, 64)
+    assert (cache.attention.pool.num_cached, cache.num_free_blocks) == (10, 64)
     assert_cache_at_baseline(cache)
 
 
 def test_b_extends_a_and_reuses_the_prompt_end_snapshot():
     cache = make_prefix_cache(32, 64, interval=128, partial=True)
     commit_a(cache)
-    executor_of(cache).take()
+    take_ops(cache)
     b = make_request("b", prompt=A + tokens(100, OTHER))
     b.expect_snapshot_points = cache.snapshot_points(b)
     assert b.expect_snapshot_points == [128, 256, 384, 400]
@@ -85,7 +85,7 @@ def test_b_extends_a_and_reuses_the_prompt_end_snapshot():
     # Full blocks 0-8 are the tree's own; block 9 is a private copy of the first 12 rows of
     # the tree's partial block 10; the live slot starts as the snapshot at 300 (slot 4).
     assert cache.block_table("b") == [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13]
-    assert executor_of(cache).take() == [("copy_block", 10, 11, 12), ("copy_slot", 4, 0)]
+    assert take_ops(cache) == [("copy_block", 10, 11, 12), ("copy_slot", 4, 0)]
     assert b.num_computed_tokens == b.num_cached_tokens == 300
     cache.check_integrity()
     advance(cache, b, 384)
@@ -98,7 +98,7 @@ def test_b_extends_a_and_reuses_the_prompt_end_snapshot():
 def test_b_without_partial_reuse_falls_back_to_the_last_aligned_snapshot():
     cache = make_prefix_cache(32, 64, interval=128, partial=False)
     commit_a(cache)
-    executor_of(cache).take()
+    take_ops(cache)
     b = make_request("b", prompt=A + tokens(100, OTHER))
     b.expect_snapshot_points = cache.snapshot_points(b)
     reuse = cache.find_reuse(b)
@@ -107,7 +107,7 @@ def test_b_without_partial_reuse_falls_back_to_the_last_aligned_snapshot():
     allocation = cache.allocate(b, 128, reuse)
     assert allocation.new_block_ids == [11, 12, 13, 14]
     assert cache.block_table("b") == [0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 14]
-    assert executor_of(cache).take() == [("copy_slot", 3, 0)]  # aligned: no block copy
+    assert take_ops(cache) == [("copy_slot", 3, 0)]  # aligned: no block copy
     assert b.num_computed_tokens == b.num_cached_tokens == 256
     cache.free(b)
     assert_cache_at_baseline(cache)
@@ -187,7 +187,7 @@ def test_same_block_commits_replace_the_shorter_node_and_its_snapshot():
     advance(cache, r1, 10)
     k10, k20 = key_of(tokens(10), 32), key_of(tokens(20), 32)
     assert cache.take_events() == [BlockStored(k10, root_hash(None), 10), SnapshotStored(k10, 10)]
-    executor_of(cache).take()
+    take_ops(cache)
     advance(cache, r1, 20)
     # The 20-token node registers first, adopts the snapshot at 10, drops the 10-token node,
     # then its own snapshot at 20 replaces the adopted one.
@@ -200,9 +200,9 @@ def test_same_block_commits_replace_the_shorter_node_and_its_snapshot():
         SnapshotStored(k20, 20),
     ]
     # r1 holds blocks [0]; the 10-token node's copy was block 1, the new copy is block 2.
-    assert executor_of(cache).take() == [("copy_block", 0, 2, 20), ("copy_slot", 0, 3)]
-    assert cache.states.snapshots.num_free == 7
-    assert cache.blocks.pool.num_cached == 1
+    assert take_ops(cache) == [("copy_block", 0, 2, 20), ("copy_slot", 0, 3)]
+    assert cache.mamba.snapshots.num_free == 7
+    assert cache.attention.pool.num_cached == 1
     cache.free(r1)
     assert_cache_at_baseline(cache)
 
@@ -319,15 +319,15 @@ def test_cache_salts_never_share():
 def test_find_reuse_is_side_effect_free():
     cache = make_prefix_cache(32, 64, interval=128)
     commit_a(cache)
-    executor_of(cache).take()
+    take_ops(cache)
     cache.take_events()
-    pool, snapshots = cache.blocks.pool, cache.states.snapshots
+    pool, snapshots = cache.attention.pool, cache.mamba.snapshots
     before = (list(pool._free), list(snapshots._lru), cache.stats.as_tuple())
     b = make_request("b", prompt=[*A, 1])
     assert cache.find_reuse(b).num_tokens == 300
     assert cache.find_reuse(b).num_tokens == 300  # may be called more than once
     assert (list(pool._free), list(snapshots._lru), cache.stats.as_tuple()) == before
-    assert (executor_of(cache).calls, cache.take_events()) == ([], [])
+    assert (take_ops(cache), cache.take_events()) == ([], [])
     assert b.num_computed_tokens == b.num_cached_tokens == 0
 
 
@@ -368,7 +368,7 @@ def test_i8_free_removes_the_request_state():
     admit(cache, request, points=[64, 100])
     advance(cache, request, 40)
     cache.free(request)
-    assert not cache.states.has_slot("a") and not cache.blocks.has_table("a")
+    assert not cache.mamba.has_slot("a") and not cache.attention.has_table("a")
     with pytest.raises(KeyError):
         cache.block_table("a")
     # A freed request commits nothing, even when its cursor sits on a point.
@@ -412,5 +412,5 @@ def test_i17_the_last_prompt_token_is_never_reused():
     assert reuse_of(cache, [*prompt, 1]) == (64, 64, 64)
     assert reuse_of(cache, prompt[:1]) == (0, 0, 0)
     opted_out = make_request("b", prompt=[*prompt, 1])
-    opted_out.reuse_prefix = False
+    opted_out.keep_logits = True
     assert cache.find_reuse(opted_out).num_tokens == 0

@@ -1,10 +1,10 @@
-"""HybridCacheManager.snapshot_points: where a prompt's chunks must end (spec 2.3)."""
+"""CacheCoordinator.snapshot_points: where a prompt's chunks must end (spec 2.3)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybridserve.workers.cache.manager import HybridCacheManager, PrefixCachingConfig
+from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
 from tests.helpers import make_prefix_cache, make_request
 
 
@@ -35,7 +35,7 @@ def test_no_points_when_prefix_caching_is_off():
         offsets_from_start=(10,),
         offsets_from_end=(0, 5),
     )
-    cache = HybridCacheManager(num_blocks=8, block_size=32, num_live_slots=2, prefix=config)
+    cache = CacheCoordinator(num_blocks=8, block_size=32, num_live_slots=2, prefix=config)
     request = make_request("a", 150)
     request.stable_prompt_len = 100
     assert cache.snapshot_points(request) == []

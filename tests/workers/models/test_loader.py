@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridserve.workers import LLM, SamplingParams
-from hybridserve.workers.layers.linear import ParallelContext
 from hybridserve.workers.models.config import ConfigError, WeightError
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.loader import load_model, open_checkpoint
 from hybridserve.workers.models.tiny import tiny_checkpoint, write_tiny_checkpoint
+from hybridserve.workers.parallel import ParallelContext
 from tests.helpers import ARCHITECTURES, hf_greedy, make_hf_model
 
 SMALL = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 64}
@@ -224,37 +224,79 @@ def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, folder
 
 
-def test_tp_ranks_hold_slices_that_reassemble_the_full_parameters(hf_checkpoint):
+class NoCollectives:
+    """Loading never communicates; a forward pass would."""
+
+    def all_reduce(self, tensor):
+        raise AssertionError("no collectives while loading")
+
+    gather_to_driver = all_reduce
+
+
+def rank_parameters(folder: Path, tp: int, expert_parallel: bool = False) -> list[dict]:
+    return [
+        parameters(load(folder, ParallelContext(tp, rank, expert_parallel, NoCollectives())))
+        for rank in range(tp)
+    ]
+
+
+def reassemble(reference: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full parameter rebuilt from every rank's part at the ranges it records; asserts
+    every row is covered and replicated rows agree."""
+    dim = parts[0].shard_dim
+    rebuilt = torch.full_like(reference, float("nan"))
+    for part in parts:
+        assert part.shard_dim == dim
+        offset_in_part = 0
+        for offset, length in part.shard_ranges:
+            real = max(0, min(length, reference.shape[dim] - offset))  # vocab padding
+            piece = part.narrow(dim, offset_in_part, real)
+            target = rebuilt.narrow(dim, offset, real)
+            assert target.isnan().all() or torch.equal(target, piece), "replicas disagree"
+            target.copy_(piece)
+            assert (part.narrow(dim, offset_in_part + real, length - real) == 0).all()
+            offset_in_part += length
+        assert offset_in_part == part.shape[dim]
+    assert not rebuilt.isnan().any(), "rows no rank holds"
+    return rebuilt
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-moe", "ep"])
+def test_tp_ranks_hold_slices_that_reassemble_the_full_parameters(hf_checkpoint, expert_parallel):
     arch, hf_folder = hf_checkpoint
     full = parameters(load(hf_folder))
-    ranks = [
-        parameters(load(hf_folder, ParallelContext(tp_size=2, tp_rank=r, all_reduce=lambda t: t)))
-        for r in (0, 1)
-    ]
+    ranks = rank_parameters(hf_folder, 2, expert_parallel)
     shard_dims = set()
-    multi_section = []
     for name, reference in full.items():
         parts = [rank[name] for rank in ranks]
-        dim = getattr(reference, "shard_dim", None)
-        if dim is None:  # replicated: every rank holds all of it
+        if getattr(parts[0], "shard_dim", None) is None:  # replicated: every rank holds it
             for part in parts:
                 assert torch.equal(part, reference), name
             continue
-        shard_dims.add(dim)
-        sections = reference.shard_sections
-        assert all(part.shard_dim == dim and part.shard_sections == sections for part in parts)
-        assert all(part.shape[dim] * 2 == reference.shape[dim] for part in parts), name
-        if len(sections) > 1:
-            multi_section.append(name)
-        pieces, offset = [], 0
-        for section in sections:
-            local = section // 2
-            pieces += [part.narrow(dim, offset, local) for part in parts]  # rank 0, rank 1
-            offset += local
-        assert torch.equal(torch.cat(pieces, dim=dim), reference), name
+        shard_dims.add(parts[0].shard_dim)
+        assert torch.equal(reassemble(reference, parts), reference), name
         if reference.unique().numel() > 1:  # zero biases and unit norms look alike anyway
             assert not torch.equal(parts[0], parts[1]), name
-    # Column (0), row (1) and expert-down (2) splits, and sectioned fused weights, all occurred.
+    # Column (0), row (1) and, with TP-MoE, expert-down (2) splits all occurred; expert
+    # parallelism splits experts along dim 0.
     assert {0, 1} <= shard_dims
-    assert multi_section, "no sectioned parameter (e.g. Mamba in_proj) was checked"
-    assert (2 in shard_dims) == (arch != "bamba")  # routed experts' down projection
+    if arch != "bamba":
+        assert (2 in shard_dims) == (not expert_parallel)
+
+
+def test_replicated_kv_heads_and_groups_give_every_rank_the_ones_its_heads_read(tmp_path):
+    """One KV head and one Mamba group over 2 ranks: both ranks hold the same K/V rows and
+    B/C rows, their own halves of the query heads and Mamba heads."""
+    folder = tmp_path / "mqa"
+    make_hf_model("nemotron_h", num_key_value_heads=1, n_groups=1).save_pretrained(folder)
+    full = parameters(load(folder))
+    ranks = rank_parameters(folder, 2)
+    for name in ("layers.2.op.k_proj.weight", "layers.2.op.v_proj.weight"):
+        assert torch.equal(ranks[0][name], full[name]) and torch.equal(ranks[1][name], full[name])
+    q = full["layers.2.op.q_proj.weight"]
+    assert torch.equal(torch.cat([r["layers.2.op.q_proj.weight"] for r in ranks]), q)
+    in_proj = full["layers.0.op.in_proj.weight"]  # z | x | B | C | dt: 64 | 64 | 16 | 16 | 8
+    for rank, part in enumerate(ranks):
+        local = part["layers.0.op.in_proj.weight"]
+        assert torch.equal(local[64:96], in_proj[128:160])  # B and C: the one group, whole
+        assert torch.equal(local[:32], in_proj[rank * 32 : rank * 32 + 32])  # its half of z

@@ -1,0 +1,138 @@
+"""One engine over several rank processes (`mp` executor, gloo on the CPU) against
+transformers and against the same engine at TP 1.
+
+Checkpoints cover the sharding rules: one KV head (replicated over the ranks), Mamba B/C groups
+fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
+three experts over two ranks (expert parallelism, uneven), shared experts, and TP 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridserve.workers import LLM, SamplingParams
+from tests.helpers import (
+    assert_pools_at_baseline,
+    hf_greedy,
+    make_hf_model,
+    random_prompts,
+)
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# Prompts of 1..90 tokens in 24-token chunks with snapshots every 32: chunked prefill that
+# resumes from the live slot, snapshot copies and prefix reuse all run on every rank.
+PROMPTS = random_prompts([1, 7, 33, 90], seed=3)
+SMALL = {
+    "block_size": 8,
+    "max_num_batched_tokens": 24,
+    "mamba_snapshot_interval": 32,
+    "max_model_len": 256,
+    "num_kv_blocks": 96,
+    "max_num_seqs": 8,
+}
+
+# arch, HF overrides, TP sizes with expert parallelism off / on.
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # MQA (one KV head), 2 Mamba groups, 3 experts + a shared expert.
+    "nemotron-mqa": (
+        "nemotron_h",
+        {"num_key_value_heads": 1, "n_routed_experts": 3, "n_group": 1, "topk_group": 1},
+    ),
+    # One Mamba group < 2 ranks: B/C replicated, the gated norm group spans both ranks.
+    "bamba-1-group": ("bamba", {"mamba_n_groups": 1}),
+    # 2 Mamba groups = 2 ranks; 3 experts over 2 ranks; a shared expert.
+    "granite-3-experts": ("granitemoehybrid", {"num_local_experts": 3}),
+}
+RUNS = [
+    ("nemotron-mqa", 2, False),
+    ("nemotron-mqa", 2, True),
+    ("nemotron-mqa", 4, False),
+    ("bamba-1-group", 2, False),
+    ("granite-3-experts", 2, False),
+    ("granite-3-experts", 2, True),
+]
+
+
+@dataclass
+class Reference:
+    folder: Path
+    hf_tokens: list[list[int]]
+    tp1_logits: list[Any]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, Reference]:
+    refs = {}
+    for name, (arch, overrides) in CHECKPOINTS.items():
+        model = make_hf_model(arch, **overrides)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        with LLM(str(folder), **SMALL) as tp1:
+            logits = tp1.prompt_logits(PROMPTS[2:])
+        refs[name] = Reference(folder, [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS], logits)
+    return refs
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "expert_parallel"), RUNS, ids=[f"{n}-tp{t}{'-ep' * e}" for n, t, e in RUNS]
+)
+def test_greedy_tokens_equal_transformers_and_prompt_logits_equal_tp1(
+    references, name, tp, expert_parallel
+):
+    ref = references[name]
+    with LLM(
+        str(ref.folder),
+        tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
+        **SMALL,
+    ) as llm:
+        assert llm.engine.config.executor_backend == "mp"
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outputs] == ref.hf_tokens
+        # Same prompts again: reused snapshots and blocks, restored on every rank.
+        again = llm.generate([[*p, 5] for p in PROMPTS[2:]], GREEDY)
+        assert all(o.num_cached_tokens > 0 for o in again)
+        for ours, tp1 in zip(llm.prompt_logits(PROMPTS[2:]), ref.tp1_logits, strict=True):
+            assert (ours - tp1).abs().max() <= 1e-4
+        assert_pools_at_baseline(llm.engine)  # rank 0's bookkeeping and every rank's check
+
+
+def test_preemption_under_tp_gives_the_tokens_of_an_ample_pool():
+    prompts = random_prompts([40, 52, 61, 47], seed=9, vocab=256)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = {"block_size": 4, "max_model_len": 96, "max_num_seqs": 4}
+    with LLM("tiny", num_kv_blocks=200, **common) as ample:
+        expected = [o.token_ids for o in ample.generate(prompts, params)]
+    with LLM("tiny", num_kv_blocks=40, tensor_parallel_size=2, **common) as tight:
+        got = [o.token_ids for o in tight.generate(prompts, params)]
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert got == expected
+        assert_pools_at_baseline(tight.engine)
+
+
+def test_the_host_tier_under_tp_brings_an_evicted_prefix_back():
+    first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    small = {
+        "block_size": 16,
+        "max_num_seqs": 2,
+        "num_kv_blocks": 24,
+        "max_model_len": 256,
+        "num_mamba_slots": 4,
+        "mamba_snapshot_interval": 64,
+    }
+    with LLM("tiny", enable_prefix_caching=False, **small) as without:
+        expected = without.generate([[*first, 11, 12, 13]], params)[0].token_ids
+    with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=2, **small) as llm:
+        assert llm.engine.executor.sizes.num_host_blocks > 0
+        llm.generate([first], params)
+        llm.generate(others, params)  # pushes `first` out of the device pools, to the host
+        (out,) = llm.generate([[*first, 11, 12, 13]], params)
+        assert out.num_cached_tokens == 200
+        assert out.token_ids == expected
+        assert_pools_at_baseline(llm.engine)

@@ -1,0 +1,139 @@
+"""The step plan: everything a rank needs to run one engine step, as a plain value.
+
+The scheduler decides and the cache coordinator allocates; their decisions leave as a
+`StepPlan`. A model runner (one per tensor-parallel rank) executes it without asking anyone
+anything: first the cache ops, in order, then one forward pass over the chunks.
+
+    StepPlan
+      cache_ops   data moves the cache managers decided since the last plan (ops.py)
+      chunks      one per scheduled request:
+                    token_ids  the tokens [start, start + n) to compute this step
+                    block_ids  its block table (token p lives in block p // block_size)
+                    slot       its live Mamba slot (the state after `start` tokens)
+                    sampling   how to sample its next token, when the chunk reaches the end
+                               of the known tokens (None: a prompt chunk that does not)
+
+Plans cross process boundaries (the `mp` executor broadcasts them to every rank), so they are
+versioned msgpack values with a round-trip test. See docs/step-plan.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from hybridserve.workers.cache.ops import CacheOp, op_from_wire, op_to_wire
+
+PLAN_VERSION = 1
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A well-spread 63-bit seed from integers (splitmix64 finaliser over each value)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
+        state ^= state >> 31
+    return state >> 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int  # already mixed with the output position
+    banned_token_ids: tuple[int, ...] = ()  # stop tokens before min_tokens is reached
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]
+    start: int  # the request's num_computed_tokens before this step
+    block_ids: list[int]
+    slot: int
+    sampling: SamplingRow | None = None
+    keep_logits: bool = False  # return the logits of every token (prompt scoring)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that continues from the live slot; everything else is a prefill chunk."""
+        return len(self.token_ids) == 1 and self.start > 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    cache_ops: list[CacheOp] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": PLAN_VERSION,
+            "ops": [op_to_wire(op) for op in self.cache_ops],
+            "chunks": [
+                [
+                    c.request_id,
+                    c.token_ids,
+                    c.start,
+                    c.block_ids,
+                    c.slot,
+                    None if c.sampling is None else _row_to_wire(c.sampling),
+                    c.keep_logits,
+                ]
+                for c in self.chunks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepPlan:
+        if data.get("v") != PLAN_VERSION:
+            raise ValueError(f"step plan version {data.get('v')!r} is not {PLAN_VERSION}")
+        try:
+            chunks = [
+                ScheduledChunk(
+                    request_id=rid,
+                    token_ids=list(token_ids),
+                    start=start,
+                    block_ids=list(block_ids),
+                    slot=slot,
+                    sampling=None if row is None else _row_from_wire(row),
+                    keep_logits=keep,
+                )
+                for rid, token_ids, start, block_ids, slot, row, keep in data["chunks"]
+            ]
+            ops = [op_from_wire(op) for op in data["ops"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed step plan: {exc}") from exc
+        return cls(chunks, ops)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, payload: bytes) -> StepPlan:
+        return cls.from_dict(msgpack.unpackb(payload, raw=False))
+
+
+def _row_to_wire(row: SamplingRow) -> list[Any]:
+    return [row.temperature, row.top_p, row.top_k, row.seed, list(row.banned_token_ids)]
+
+
+def _row_from_wire(data: list[Any]) -> SamplingRow:
+    temperature, top_p, top_k, seed, banned = data
+    return SamplingRow(temperature, top_p, top_k, seed, tuple(banned))
