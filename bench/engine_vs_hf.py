@@ -102,14 +102,17 @@ def run_hf(model: torch.nn.Module, workload: Workload) -> float:
 def prefill_rates(
     folder: Path, model: torch.nn.Module, prompt_len: int, repeats: int
 ) -> tuple[float, float]:
-    prompt = torch.randint(1, 4096, (prompt_len,), generator=torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(7)
     llm = LLM(str(folder), max_num_batched_tokens=prompt_len)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ours, theirs = [], []
     for _ in range(repeats + 1):  # the first round warms up both
+        # A fresh prompt each round: a repeated one would be served from the prefix cache.
+        prompt = torch.randint(1, 4096, (prompt_len,), generator=generator)
         start = time.perf_counter()
-        llm.generate([prompt.tolist()], one, use_tqdm=False)
+        (out,) = llm.generate([prompt.tolist()], one, use_tqdm=False)
         ours.append(time.perf_counter() - start)
+        assert out.num_cached_tokens == 0, "a prefill measurement must compute every token"
         start = time.perf_counter()
         model.generate(
             prompt[None],

@@ -5,7 +5,7 @@
 The benchmark's random NemotronH checkpoint (bench/common.py: hidden 512, 12 layers, fp32) runs
 two workloads per TP size, one engine each:
 - decode: 8 requests decoding together (64-token prompts, 64 output tokens), decode-only steps;
-- prefill: one 1024-token prompt in one step.
+- prefill: three 1024-token prompts, one after the other, each in one step.
 Per step, measured on rank 0: wall time of the whole step (every rank's cache ops, forward and
 collectives; rank 0's sampling), time inside collectives (all-reduces and the logits gather;
 with --device cuda, synchronised around each call), and the bytes all-reduced per token. Compute
@@ -31,7 +31,7 @@ from hybridserve.workers.distributed import TorchCollectives
 from hybridserve.workers.step_plan import StepPlan
 
 DECODE_REQUESTS, DECODE_PROMPT, DECODE_OUTPUT = 8, 64, 64
-PREFILL_PROMPT = 1024
+PREFILL_PROMPT, PREFILL_REPEATS = 1024, 3
 
 
 @dataclass
@@ -106,7 +106,10 @@ def measure(folder: Path, tp: int, device: str, quick: bool) -> dict[str, Any]:
         torch.randint(1, 4096, (DECODE_PROMPT // scale,), generator=gen).tolist()
         for _ in range(DECODE_REQUESTS)
     ]
-    prefill_prompt = torch.randint(1, 4096, (PREFILL_PROMPT // scale,), generator=gen).tolist()
+    prefill_prompts = [
+        torch.randint(1, 4096, (PREFILL_PROMPT // scale,), generator=gen).tolist()
+        for _ in range(PREFILL_REPEATS)
+    ]
     with LLM(
         str(folder),
         tensor_parallel_size=tp,
@@ -124,8 +127,9 @@ def measure(folder: Path, tp: int, device: str, quick: bool) -> dict[str, Any]:
         llm.generate(decode_prompts, decode, use_tqdm=False)
         decode_steps = [r for r in recorder.records if r["decode_only"]]
         recorder.records.clear()
-        llm.generate([prefill_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-        prefill_steps = [r for r in recorder.records if r["tokens"] == len(prefill_prompt)]
+        for prompt in prefill_prompts:
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+        prefill_steps = [r for r in recorder.records if r["tokens"] == len(prefill_prompts[0])]
         return {
             "tp": tp,
             "decode": asdict(recorder.figures(decode_steps)),

@@ -1,4 +1,4 @@
-"""Prometheus metrics for GET /metrics: vLLM's names (spec B5) under the `hybridserve:` prefix.
+"""Prometheus metrics for GET /metrics: vLLM's names under the `hybridserve:` prefix.
 
 Values come from three places:
 

@@ -297,7 +297,8 @@ class CompletionRequest(_GenerationRequest):
     def to_sampling_params(
         self, vocab_size: int, max_model_len: int, prompt_len: int
     ) -> SamplingParams:
-        # NOTE: an out-of-vocabulary id would index past the embedding table (spec A6).
+        # NOTE: an out-of-vocabulary id would index past the embedding table
+        # (docs/failure-handling.md).
         if isinstance(self.prompt, list):
             for token_id in self.prompt:
                 if not 0 <= token_id < vocab_size:
@@ -369,7 +370,7 @@ def derive_cache_salt(tenant: str | None, client_salt: str | None) -> str | None
     The server-derived `tenant` (e.g. from the API key) comes first, so a client's own salt only
     narrows sharing inside its tenant and can never reproduce another tenant's salt. Each part
     carries a presence flag and its byte length, so ("org_1", "2345") and ("org_12345", "")
-    differ (naive concatenation collides; spec A8). None when there is neither.
+    differ (naive concatenation collides). None when there is neither.
     """
     if tenant is None and client_salt is None:
         return None

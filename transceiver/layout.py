@@ -48,7 +48,7 @@ class PeerLayout:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """The first non-zero per-layer count (layer 0 of a hybrid is often Mamba: spec 4.2)."""
+        """The first non-zero per-layer count (layer 0 of a hybrid is often Mamba)."""
         return next((h for h in self.kv_heads_per_layer if h), 0)
 
     @property

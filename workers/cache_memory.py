@@ -42,8 +42,8 @@ class CacheMemory:
             try:
                 self.host = self._allocate_host(host_bytes, host_counts)
             except (RuntimeError, MemoryError) as exc:
-                # Invariant I10: a host tier that cannot be set up is a lost optimisation,
-                # never a failed start.
+                # A host tier that cannot be set up (memory, a memlock limit) is a lost
+                # optimisation, never a failed start.
                 logger.warning(
                     "host cache tier of %d bytes could not be set up (%s); running "
                     "with device caches only",

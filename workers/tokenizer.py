@@ -132,7 +132,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> ChatPrompt:
         """Token ids of a chat prompt (with the generation prompt) and its stable prefix length.
 
-        The stable part is best effort (spec 2.9): a template that rejects
+        The stable part is best effort (docs/snapshot-reuse.md section 3): a template that rejects
         add_generation_prompt=False, or renders something that is not a prefix, gives None.
         """
         token_ids = self.encode(

@@ -1,11 +1,12 @@
-"""Conformance: multi-turn reuse gives exactly the tokens of a run without reuse (spec 7).
+"""Conformance: multi-turn reuse gives exactly the tokens of a run without reuse.
 
-The workload is the repeat-shuffle task of spec 7.1 in token space: 20 conversations x 4
-turns over 3 shared system prompts. Turn k's prompt = system prompt + earlier turns (user
-message + the model's own answer) + a new user message; its "base" is the same without the new
-message. Transcripts come from a run with prefix caching off; then, for each caching
-configuration, the turns are replayed in a shuffled order, each base warmed (max_tokens 1)
-right before its full prompt, and every full prompt's greedy tokens must equal the reference.
+The workload is a repeat-shuffle task in token space (docs/snapshot-reuse.md explains the reuse
+it exercises): 20 conversations x 4 turns over 3 shared system prompts. Turn k's prompt = system
+prompt + earlier turns (user message + the model's own answer) + a new user message; its "base"
+is the same without the new message. Transcripts come from a run with prefix caching off; then,
+for each caching configuration, the turns are replayed in a shuffled order, each base warmed
+(max_tokens 1) right before its full prompt, and every full prompt's greedy tokens must equal
+the reference.
 
 Runs on tiny random checkpoints of every architecture; set HYBRIDSERVE_CONFORMANCE_MODEL to an
 HF checkpoint folder to run it against that model instead. One configuration per architecture

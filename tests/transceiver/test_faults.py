@@ -1,21 +1,20 @@
-"""Transfer failures between a real prefill engine and a real decode engine, in one process,
-wired through TransferSender / TransferReceiver on loopback.
+"""Transfer failures between a real prefill engine and a real decode engine, in one process, wired
+through TransferSender / TransferReceiver on loopback.
 
-Every scenario ends in one of two correct ways (spec A1): the decode engine recomputes the
-request and its tokens equal a colocated engine's, or (policy `fail`) the request ends with
-finish_reason "error" and a message. Afterwards both engines' caches pass check_integrity() and,
-once the lease has passed, every block and slot is free again (spec A0: nothing leaks).
+Every scenario ends in one of two correct ways (docs/failure-handling.md): the decode engine
+recomputes the request and its tokens equal a colocated engine's, or (policy `fail`) the request
+ends with finish_reason "error" and a message. Afterwards both engines' caches pass
+check_integrity() and, once the lease has passed, every block and slot is free again (nothing
+leaks).
 
-    scenario                     where it breaks                      expected
-    timeout                      receiver / sender stops waiting      recompute / error
-    peer death                   link cut mid-transfer, peer gone     recompute / error
-    error every Nth operation    either backend (TCP), NIXL write     the Nth fail, rest acked
-    duplicate request id         decode already runs that id          rejected, holds nothing
-    stale / out-of-range dst     sender writes outside the plan       refused, nothing else written
-    stale source                 lease expired before the send        failed, recompute
-    invalid request              hashes, tokens, sampling state       rejected, holds nothing
-    layout mismatch              handshake / compatibility hash       failed / rejected
-    abort while receiving        decode client goes away              abort, both sides free
+scenario where it breaks expected timeout receiver / sender stops waiting recompute / error peer
+death link cut mid-transfer, peer gone recompute / error error every Nth operation either
+backend (TCP), NIXL write the Nth fail, rest acked duplicate request id decode already runs that
+id rejected, holds nothing stale / out-of-range dst sender writes outside the plan refused,
+nothing else written stale source lease expired before the send failed, recompute invalid
+request hashes, tokens, sampling state rejected, holds nothing layout mismatch handshake /
+compatibility hash failed / rejected abort while receiving decode client goes away abort, both
+sides free
 """
 
 from __future__ import annotations
@@ -474,7 +473,7 @@ def _sampling(message: TransferRequest, **change: Any) -> dict[str, Any]:
 
 def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expected):
     """Each is refused before anything is reserved, the prefill side frees at once, and the
-    decode engine keeps serving (a malformed request must never take it down: spec A6)."""
+    decode engine keeps serving (a malformed request must never take it down)."""
     link = make_link()
     bad, good = link.hand_off(SPECS[:2])
     message = bad.message

@@ -236,7 +236,7 @@ def test_an_oversized_message_is_refused_before_parsing():
 
 def test_a_pickle_is_never_unpickled(monkeypatch):
     """A pickle on the wire is just bytes that are not a message: decoding it must not run
-    pickle (spec A9), whatever its payload."""
+    pickle (docs/failure-handling.md), whatever its payload."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("pickle must never be called by the transceiver")
@@ -250,8 +250,8 @@ def test_a_pickle_is_never_unpickled(monkeypatch):
 
 
 def test_no_transceiver_module_imports_an_unpickler():
-    """The wire never goes through pickle or anything built on it (spec A9): no import of
-    pickle, cloudpickle, dill, marshal, shelve or joblib, and no torch.load."""
+    """The wire never goes through pickle or anything built on it (docs/failure-handling.md): no
+    import of pickle, cloudpickle, dill, marshal, shelve or joblib, and no torch.load."""
     forbidden = {
         "pickle",
         "cPickle",

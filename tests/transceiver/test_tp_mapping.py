@@ -149,7 +149,7 @@ def test_tp_sizes_that_do_not_divide_each_other_are_refused(src_tp, dst_tp):
     ("sections", "src_tp", "dst_tp", "bad"),
     [
         ((6,), 4, 2, 6),  # 8 -> 6 KV heads is not 4-way splittable
-        ((64, 6, 6), 1, 4, 6),  # spec 4.1: conv sections (n_groups * d_state) must divide by TP
+        ((64, 6, 6), 1, 4, 6),  # conv sections (n_groups * d_state) must divide by TP
         ((64, 32, 30), 2, 4, 30),
         ((8, 4), 8, 1, 4),
     ],

@@ -1,9 +1,9 @@
-"""FORCE_CHUNK (spec 3): with prefix caching on, chunks end at the request's snapshot points.
+"""FORCE_CHUNK: with prefix caching on, chunks end at the request's snapshot points.
 
 A real CacheCoordinator with prefix caching decides the points; the unit that budget-cut
 chunks are rounded down to is its block size. Single decisions call `chunk_size` directly
 with hand-set points; multi-step runs go through `schedule` + `update` with no sampled token.
-Example names (E1-E11, T1-T13, I1-I5) are the spec's.
+Example names (E1-E11, T1-T13, I1-I5) are the labels of docs/snapshot-reuse.md.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def start_decoding(scheduler, request):
     scheduler.running.append(request)
 
 
-# ---- spec 3.6 worked examples --------------------------------------------------------------
+# ---- worked examples E1-E11 -----------------------------------------------------------------
 
 
 def test_e1_i3_without_points_the_whole_prompt_is_one_chunk():
@@ -189,7 +189,7 @@ def test_e11_points_already_passed_are_ignored():
     assert chunk(300, [64, 128, 200], budget=1000, position=200) == 100
 
 
-# ---- spec 6 behaviours ----------------------------------------------------------------------
+# ---- behaviours T1-T13 ----------------------------------------------------------------------
 
 
 def test_t2_i2_points_not_set_is_an_error_naming_the_request():

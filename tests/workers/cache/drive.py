@@ -1,7 +1,8 @@
 """Driving CacheCoordinator as the scheduler does, for the reuse, eviction and host-tier tests:
 `allocate` a chunk, advance `num_computed_tokens`, `commit`, and `free` when done, checking
-integrity after each step. The spec's lookup lengths exclude the prompt's last token
-(`find_reuse` drops it itself), so a "lookup of n tokens" is a prompt of n + 1 tokens here.
+integrity after each step. The lookup lengths of docs/snapshot-reuse.md exclude the prompt's
+last token (`find_reuse` drops it itself), so a "lookup of n tokens" is a prompt of n + 1 tokens
+here.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from hybridserve.workers.cache.hashing import block_hash, root_hash
 from tests.helpers import make_prefix_cache, make_request, tokens
 
-A = tokens(300)  # request A of the spec's end-to-end example (2.6)
+A = tokens(300)  # request A of the worked example in docs/snapshot-reuse.md section 6
 OTHER = 10_000  # first id of token runs that share nothing with A
 
 

@@ -1,5 +1,5 @@
-"""Eviction in the device pools (spec 2.8): which cached blocks and snapshots go first, and
-what a commit or an allocation does when the pools are short."""
+"""Eviction in the device pools (docs/snapshot-reuse.md section 7): which cached blocks and
+snapshots go first, and what a commit or an allocation does when the pools are short."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Snapshot-aware prefix reuse through CacheCoordinator (spec 2.2-2.8, 5): what a prompt
+"""Snapshot-aware prefix reuse through CacheCoordinator (docs/snapshot-reuse.md): what a prompt
 can reuse after other requests committed, and what `allocate` does with it. Requests are
 driven as the scheduler drives them (`drive.py`)."""
 
@@ -33,7 +33,7 @@ from tests.workers.cache.drive import (
     tree_layout,
 )
 
-# ---- the end-to-end example of spec 2.6 (block size 32, interval 128, save-last) ----------
+# ---- the worked example of docs/snapshot-reuse.md (block size 32, interval 128, save-last)
 
 
 def commit_a(cache):
@@ -129,7 +129,7 @@ def test_c_an_exact_repeat_reuses_only_the_previous_boundary():
     assert_cache_at_baseline(cache)
 
 
-# ---- the smaller worked examples of spec 2.5 / 2.6 --------------------------------------
+# ---- the smaller worked examples of docs/snapshot-reuse.md --------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -331,7 +331,7 @@ def test_find_reuse_is_side_effect_free():
     assert b.num_computed_tokens == b.num_cached_tokens == 0
 
 
-# ---- invariants (spec 5) -----------------------------------------------------------------
+# ---- invariants (labels of docs/snapshot-reuse.md) ----------------------------------------
 
 
 def test_i1_commits_happen_only_at_points():

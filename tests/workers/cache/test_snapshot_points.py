@@ -1,4 +1,5 @@
-"""CacheCoordinator.snapshot_points: where a prompt's chunks must end (spec 2.3)."""
+"""CacheCoordinator.snapshot_points: where a prompt's chunks must end (docs/snapshot-reuse.md
+section 3)."""
 
 from __future__ import annotations
 
