@@ -245,38 +245,37 @@ class MultiprocExecutor(Executor):
     # ---- steps ----------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
-        self._raise_if_failed()
-        self._num_plans += 1
-        message = RankMessage("plan", self._num_plans, plan)
-        self._step_started = time.monotonic()
-        try:
-            self.channel.broadcast(message.to_bytes())
+        with self._on_every_rank("the step"):
+            self._num_plans += 1
+            self.channel.broadcast(RankMessage("plan", self._num_plans, plan).to_bytes())
             result = self.driver.execute(plan)
-        except Exception as exc:
-            self._fail(f"the step failed on rank 0 or in a collective ({exc})")
-            raise RankFailure(self.failure) from exc
-        finally:
-            self._step_started = None
         assert result is not None
         return result
 
     def check_ranks(self) -> None:
         """Every rank executed every plan, and holds the pools every rank agreed on."""
-        self._raise_if_failed()
-        check = RankMessage("check", self._num_plans, sizes=self.sizes)
-        self._step_started = time.monotonic()
-        try:
+        with self._on_every_rank("the rank check"):
+            check = RankMessage("check", self._num_plans, sizes=self.sizes)
             self.channel.broadcast(check.to_bytes())
             reports = self.channel.gather(msgpack.packb(pool_problems(self.driver, self.sizes)))
-        except Exception as exc:
-            self._fail(f"the rank check failed ({exc})")
-            raise RankFailure(self.failure) from exc
-        finally:
-            self._step_started = None
         assert reports is not None
         problems = [p for report in reports for p in msgpack.unpackb(report, raw=False)]
         if problems:
             raise RuntimeError("tensor-parallel rank check failed: " + "; ".join(problems))
+
+    @contextlib.contextmanager
+    def _on_every_rank(self, what: str) -> Iterator[None]:
+        """Something all ranks take part in: timed by the watchdog; any failure stops the
+        ranks (they are out of step from then on) and raises RankFailure."""
+        self._raise_if_failed()
+        self._step_started = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            self._fail(f"{what} failed on rank 0 or in a collective ({exc})")
+            raise RankFailure(self.failure) from exc
+        finally:
+            self._step_started = None
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.cache_memory import CacheMemory
 from tests.helpers import assert_pools_at_baseline, random_prompts
@@ -19,23 +21,26 @@ SMALL = {
 }
 
 
-def test_evicted_prefix_comes_back_from_the_host_tier():
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_evicted_prefix_comes_back_from_the_host_tier(tp):
+    """At TP 2 every rank offloads and loads its own shard, on the plan's cache ops."""
     first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
     extended = [*first, 11, 12, 13]
-    with_host = LLM("tiny", host_cache_bytes=64 << 20, **SMALL)
-    memory = with_host.engine.executor.driver.memory
-    assert memory.host is not None and memory.num_host_blocks > 0 and memory.num_host_slots > 0
-    with_host.generate([first], GREEDY)
-    with_host.generate(others, GREEDY)  # pushes `first` out of the small device pools
-    cache = with_host.engine.cache
-    assert cache.attention.host is not None and cache.mamba.host is not None
-    assert any(n.block_id is None and n.host_block_id is not None for n in cache.tree.nodes())
-    (out,) = with_host.generate([extended], GREEDY)
-    assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
-    without = LLM("tiny", enable_prefix_caching=False, **SMALL)
-    assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
-    assert_pools_at_baseline(with_host.engine)
-    assert cache.attention.host.ids.num_free == cache.attention.host.ids.size
+    with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=tp, **SMALL) as with_host:
+        memory = with_host.engine.executor.driver.memory
+        assert memory.host is not None and memory.num_host_blocks > 0
+        assert with_host.engine.executor.sizes.num_host_slots > 0
+        with_host.generate([first], GREEDY)
+        with_host.generate(others, GREEDY)  # pushes `first` out of the small device pools
+        cache = with_host.engine.cache
+        assert cache.attention.host is not None and cache.mamba.host is not None
+        assert any(n.block_id is None and n.host_block_id is not None for n in cache.tree.nodes())
+        (out,) = with_host.generate([extended], GREEDY)
+        assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
+        without = LLM("tiny", enable_prefix_caching=False, **SMALL)
+        assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
+        assert_pools_at_baseline(with_host.engine)
+        assert cache.attention.host.ids.num_free == cache.attention.host.ids.size
 
 
 def test_without_a_host_tier_the_evicted_prefix_is_recomputed():

@@ -1,5 +1,5 @@
 """One engine over several rank processes (`mp` executor, gloo on the CPU) against
-transformers and against the same engine at TP 1.
+transformers and against the same engine at TP 1 (the host tier under TP: test_host_tier.py).
 
 Checkpoints cover the sharding rules: one KV head (replicated over the ranks), Mamba B/C groups
 fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
@@ -113,26 +113,3 @@ def test_preemption_under_tp_gives_the_tokens_of_an_ample_pool():
         assert tight.engine.scheduler.num_preemptions > 0
         assert got == expected
         assert_pools_at_baseline(tight.engine)
-
-
-def test_the_host_tier_under_tp_brings_an_evicted_prefix_back():
-    first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    small = {
-        "block_size": 16,
-        "max_num_seqs": 2,
-        "num_kv_blocks": 24,
-        "max_model_len": 256,
-        "num_mamba_slots": 4,
-        "mamba_snapshot_interval": 64,
-    }
-    with LLM("tiny", enable_prefix_caching=False, **small) as without:
-        expected = without.generate([[*first, 11, 12, 13]], params)[0].token_ids
-    with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=2, **small) as llm:
-        assert llm.engine.executor.sizes.num_host_blocks > 0
-        llm.generate([first], params)
-        llm.generate(others, params)  # pushes `first` out of the device pools, to the host
-        (out,) = llm.generate([[*first, 11, 12, 13]], params)
-        assert out.num_cached_tokens == 200
-        assert out.token_ids == expected
-        assert_pools_at_baseline(llm.engine)
