@@ -50,23 +50,37 @@ class RunnerOutput:
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def resolve_device(device: str, rank: int = 0) -> torch.device:
+def resolve_device(device: str, index: int = 0) -> torch.device:
+    """`device` of the config; on CUDA, GPU `index` of this process's visible ones."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
-        return torch.device("cuda", rank)
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"this rank needs GPU {index}, but {torch.cuda.device_count()} are visible; "
+                "lower tensor_parallel_size or expose more GPUs"
+            )
+        torch.cuda.set_device(index)  # NCCL and the kernels use the current device
+        return torch.device("cuda", index)
     return torch.device(device)
 
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, checkpoint: Checkpoint, parallel: ParallelContext
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        parallel: ParallelContext,
+        device_index: int | None = None,
     ) -> None:
+        """`device_index`: this rank's GPU among the visible ones (default: its rank, one
+        process per GPU of one machine)."""
         self.config = config
         self.parallel = parallel
-        self.device = resolve_device(config.device, parallel.tp_rank)
+        index = parallel.tp_rank if device_index is None else device_index
+        self.device = resolve_device(config.device, index)
         self.dtype = DTYPES[config.dtype]
         self.model_config: HybridModelConfig = checkpoint.config
         self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, parallel=parallel)
