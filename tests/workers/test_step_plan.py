@@ -16,8 +16,8 @@ from hybridserve.workers.cache.ops import (
     op_from_wire,
 )
 from hybridserve.workers.model_runner import PoolSizes
-from hybridserve.workers.mp_executor import RankInit
 from hybridserve.workers.rank import RankMessage
+from hybridserve.workers.rank_group import RankInit
 from hybridserve.workers.scheduler import Scheduler
 from hybridserve.workers.step_plan import PLAN_VERSION, SamplingRow, ScheduledChunk, StepPlan
 from tests.helpers import make_prefix_cache, make_request
