@@ -77,14 +77,31 @@ class EngineActor:
         *,
         torch_threads: int | None = None,
         transfer_timeout: float = 30.0,
+        placement: dict[str, Any] | None = None,
     ) -> None:
+        """`placement` ({"group", "bundle"}): a tensor-parallel engine's placement group, whose
+        bundle 0 this actor holds; its other ranks become RankActors in the other bundles."""
+        import functools
+
         import torch
 
+        from hybridserve.cluster.ray_executor import RayExecutor
         from hybridserve.cluster.worker import EngineWorker
+        from hybridserve.workers.executor import register_executor
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        if placement is not None:
+            register_executor(
+                "ray",
+                functools.partial(
+                    RayExecutor,
+                    placement_group=placement["group"],
+                    bundle=placement["bundle"],
+                    node_address=ray.util.get_node_ip_address(),
+                ),
+            )
         self.router = router
         sink = None
         if router is not None:
@@ -101,6 +118,10 @@ class EngineActor:
 
     def describe(self) -> dict[str, Any]:
         return self.worker.describe()
+
+    def health(self) -> None:
+        """Raises if the engine cannot serve any more (one of its ranks failed)."""
+        self.worker.health()
 
     def stats(self) -> dict[str, Any]:
         return self.worker.stats()

@@ -52,7 +52,17 @@ class ServiceConfig(BaseModel):
     )
     engine_actor_options: dict[str, Any] = Field(
         default_factory=lambda: {"num_cpus": 0},
-        description="Ray actor options of each engine (e.g. {'num_gpus': 1})",
+        description="Ray actor options of each engine of one rank (e.g. {'num_gpus': 1}); an "
+        "engine of several ranks takes `rank_resources` per rank instead",
+    )
+    rank_resources: dict[str, float] | None = Field(
+        None,
+        description="resources of each rank of a tensor-parallel engine (one placement group "
+        "bundle); default {'GPU': 1} when the cluster has GPUs, else {'CPU': 1}",
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="how a tensor-parallel engine's bundles are placed (STRICT_PACK: one node)",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="CPU threads per engine (default: torch's choice)"
@@ -94,8 +104,12 @@ class ServiceConfig(BaseModel):
         commit a turn-end snapshot by default: the next turn of their conversation resumes
         there."""
         overrides = self.prefill_engine if role == "prefill" else self.decode_engine
-        defaults = {} if role == "prefill" else {"mamba_snapshot_turn_end": True}
-        return EngineConfig(**(defaults | self.engine | overrides), model=self.model, role=role)
+        defaults: dict[str, Any] = {} if role == "prefill" else {"mamba_snapshot_turn_end": True}
+        fields = defaults | self.engine | overrides
+        if fields.get("tensor_parallel_size", 1) > 1:
+            # The service's engines span rank actors (cluster/ray_executor.py).
+            fields.setdefault("distributed_executor_backend", "ray")
+        return EngineConfig(**fields, model=self.model, role=role)
 
     @property
     def model_id(self) -> str:

@@ -1,10 +1,13 @@
 """The Coordinator: owns the engine actors and the router actor of one service.
 
 A Ray Serve deployment with one replica. It starts the router first (so no cache event is
-lost), then every engine, and hands their handles to the ingress replicas. Serve calls its
-`check_health` periodically: an engine that stopped answering is dropped from the router
-(its index entries go with it) and reported in the log; the service stays healthy while at
-least one decode engine is alive. On shutdown it drains the engines.
+lost), then every engine, and hands their handles to the ingress replicas. An engine with
+`tensor_parallel_size` > 1 gets a placement group of one bundle per rank (`rank_resources`,
+`placement_strategy`): its EngineActor holds bundle 0 and starts the other ranks in the rest.
+Serve calls `check_health` periodically: an engine that stopped answering, or whose ranks
+failed, is dropped from the router (its index entries go with it), its placement group is
+removed, and the service stays healthy while at least one decode engine is alive. On shutdown
+it drains the engines, then removes their placement groups.
 """
 
 from __future__ import annotations
@@ -15,13 +18,22 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridserve.cluster.actors import EngineActor, RouterActor
 from hybridserve.cluster.config import ServiceConfig
+from hybridserve.cluster.ray_executor import bundle_options
+from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+PLACEMENT_TIMEOUT_S = 120.0
 
 
 @serve.deployment(num_replicas=1, health_check_period_s=5, health_check_timeout_s=30)
@@ -39,14 +51,10 @@ class Coordinator:
             first.block_size,
             first.enable_partial_reuse,
         )
+        self.placement_groups: dict[str, PlacementGroup] = {}
+        self.resources: dict[str, dict[str, Any]] = {}
         self.engines = {
-            name: EngineActor.options(**self.config.engine_actor_options).remote(
-                name,
-                self.config.engine_config(role).model_dump(),
-                self.router,
-                torch_threads=self.config.torch_threads,
-                transfer_timeout=self.config.transfer_timeout_s,
-            )
+            name: self._start_engine(name, self.config.engine_config(role))
             for name, role in names.items()
         }
         self.roles = names
@@ -60,6 +68,47 @@ class Coordinator:
         self.dead: set[str] = set()
         logger.info("service ready: %s", ", ".join(f"{n} ({r})" for n, r in names.items()))
 
+    def _start_engine(self, name: str, engine: EngineConfig) -> Any:
+        """The engine's actor; a tensor-parallel engine's first in its own placement group."""
+        kwargs: dict[str, Any] = {
+            "torch_threads": self.config.torch_threads,
+            "transfer_timeout": self.config.transfer_timeout_s,
+        }
+        tp = engine.tensor_parallel_size
+        if tp == 1:
+            options = dict(self.config.engine_actor_options)
+            self.resources[name] = {"ranks": 1, "actor_options": options}
+            return EngineActor.options(**options).remote(
+                name, engine.model_dump(), self.router, **kwargs
+            )
+        bundle = dict(self.config.rank_resources or self._default_bundle(engine))
+        group = placement_group([bundle] * tp, strategy=self.config.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"engine {name} needs {tp} bundles of {bundle} ({self.config.placement_strategy})"
+                f" and the cluster could not place them within {PLACEMENT_TIMEOUT_S:.0f} s"
+            ) from None
+        self.placement_groups[name] = group
+        self.resources[name] = {
+            "ranks": tp,
+            "bundle": bundle,
+            "placement_strategy": self.config.placement_strategy,
+        }
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        kwargs["placement"] = {"group": group, "bundle": bundle}
+        return EngineActor.options(**bundle_options(bundle), scheduling_strategy=strategy).remote(
+            name, engine.model_dump(), self.router, **kwargs
+        )
+
+    @staticmethod
+    def _default_bundle(engine: EngineConfig) -> dict[str, float]:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        on_gpu = engine.device == "cuda" or (engine.device == "auto" and gpus > 0)
+        return {"GPU": 1.0} if on_gpu else {"CPU": 1.0}
+
     def topology(self) -> dict[str, Any]:
         """What an ingress replica needs: the router, live engines, the model's limits."""
         live = {n: h for n, h in self.engines.items() if n not in self.dead}
@@ -71,14 +120,17 @@ class Coordinator:
             self.dead.add(name)
             await self.router.remove_engine.remote(name)
             logger.error("engine %s is dead: removed from routing and the prefix index", name)
+            group = self.placement_groups.pop(name, None)
+            if group is not None:
+                remove_placement_group(group)  # its rank actors (and its engine actor) go
 
     async def check_health(self) -> None:
         for name, engine in self.engines.items():
             if name in self.dead:
                 continue
             try:
-                await asyncio.wait_for(engine.describe.remote(), HEALTH_TIMEOUT_S)
-            except Exception as exc:  # a dead actor, a timeout: the engine is gone for us
+                await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
+            except Exception as exc:  # a dead actor or rank, a timeout: the engine is gone
                 logger.error("engine %s failed its health check: %s", name, exc)
                 await self.mark_dead(name)
         if all(n in self.dead for n, role in self.roles.items() if role != "prefill"):
@@ -86,6 +138,10 @@ class Coordinator:
 
     async def healthy(self) -> bool:
         return any(n not in self.dead for n, role in self.roles.items() if role != "prefill")
+
+    def engine_resources(self) -> dict[str, dict[str, Any]]:
+        """What each engine got: its ranks and each rank's resources (benchmark records)."""
+        return self.resources
 
     async def stats(self) -> dict[str, Any]:
         """Per-engine figures and the index size, for /metrics."""
@@ -115,3 +171,5 @@ class Coordinator:
         if cut:
             logger.warning("shutdown cut off %d running requests", cut)
         await asyncio.gather(*(h.shutdown.remote() for h in live), return_exceptions=True)
+        for group in self.placement_groups.values():
+            remove_placement_group(group)

@@ -127,6 +127,12 @@ class EngineWorker:
             "partial_reuse": self.engine.config.enable_partial_reuse,
         }
 
+    def health(self) -> None:
+        """Raises EngineUnavailable once the engine has stopped (a rank died or hung)."""
+        reason = self.engine.dead
+        if reason is not None:
+            raise EngineUnavailable(f"engine {self.name} stopped: {reason}")
+
     def stats(self) -> dict[str, Any]:
         """Load and cache figures for routing and /metrics."""
         with self.lock:
@@ -281,6 +287,7 @@ class EngineWorker:
             executor.shutdown(wait=True)
             sender.close_link()
         self._backend.close()
+        self.engine.shutdown()  # a tensor-parallel engine's other ranks
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -304,6 +311,7 @@ class EngineWorker:
     def _add(self, request: GenerateRequest) -> None:
         if not self._accepting:
             raise EngineUnavailable(f"engine {self.name} is shutting down")
+        self.health()
         with self.lock:
             self.engine.add_request(
                 request.prompt_token_ids,
