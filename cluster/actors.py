@@ -77,6 +77,7 @@ class EngineActor:
         *,
         torch_threads: int | None = None,
         transfer_timeout: float = 30.0,
+        transfer_host: str | None = None,
         placement: dict[str, Any] | None = None,
     ) -> None:
         """`placement` ({"group", "bundle"}): a tensor-parallel engine's placement group, whose
@@ -114,6 +115,8 @@ class EngineActor:
             EngineConfig(**engine_config),
             event_sink=sink,
             transfer_timeout=transfer_timeout,
+            # Prefill engines on other nodes reach this one at its own node's address.
+            transfer_host=transfer_host or ray.util.get_node_ip_address(),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -122,6 +125,11 @@ class EngineActor:
     def health(self) -> None:
         """Raises if the engine cannot serve any more (one of its ranks failed)."""
         self.worker.health()
+
+    def rank_actors(self) -> list[Any]:
+        """The RankActors of a tensor-parallel engine (ranks 1 .. tp-1), for operators and
+        fault tests."""
+        return list(getattr(self.worker.engine.executor, "actors", []))
 
     def stats(self) -> dict[str, Any]:
         return self.worker.stats()

@@ -68,6 +68,11 @@ class ServiceConfig(BaseModel):
         None, ge=1, description="CPU threads per engine (default: torch's choice)"
     )
     transfer_timeout_s: float = Field(30.0, gt=0, description="one KV/state transfer")
+    transfer_host: str | None = Field(
+        None,
+        description="the address decode engines' transfer endpoints bind and advertise; "
+        "default: each engine's own node address (Ray's node IP)",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on shutdown, how long running requests may finish"
     )

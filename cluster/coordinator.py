@@ -73,6 +73,7 @@ class Coordinator:
         kwargs: dict[str, Any] = {
             "torch_threads": self.config.torch_threads,
             "transfer_timeout": self.config.transfer_timeout_s,
+            "transfer_host": self.config.transfer_host,
         }
         tp = engine.tensor_parallel_size
         if tp == 1:

@@ -39,23 +39,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def deploy(config: dict[str, Any], host: str = "127.0.0.1", port: int = 8000) -> str:
-    """Run the service as the Serve application `hybridserve`; returns its base URL once
-    every engine is up."""
+def deploy(
+    config: dict[str, Any],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    name: str = APP_NAME,
+    route_prefix: str = "/",
+) -> str:
+    """Run the service as the Serve application `name` under `route_prefix`; returns its
+    base URL once every engine is up. (Serve has one HTTP proxy: a second application on
+    the same cluster shares its host and port, under another prefix.)"""
     from ray import serve
 
     from hybridserve.cluster.app import build_app
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    return f"http://{host}:{port}"
+    serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-def coordinator() -> Any:
-    """A handle on the running service's Coordinator (for probes, tests, benchmarks)."""
+def coordinator(name: str = APP_NAME) -> Any:
+    """A handle on a running service's Coordinator (for probes, tests, benchmarks)."""
     from ray import serve
 
-    return serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    return serve.get_deployment_handle("Coordinator", app_name=name)
 
 
 def shutdown() -> None:

@@ -69,7 +69,7 @@ class RayExecutor(RankGroupExecutor):
 
     def _launch(self, inits: list[bytes]) -> None:
         device_index = 0 if self.bundle.get("GPU") else None
-        self._actors = [
+        self.actors = [
             RankActor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
@@ -80,7 +80,7 @@ class RayExecutor(RankGroupExecutor):
         ]
         self._runs = [
             actor.run.remote(init, device_index)
-            for actor, init in zip(self._actors, inits, strict=True)
+            for actor, init in zip(self.actors, inits, strict=True)
         ]
 
     def _exited(self, timeout: float) -> int | None:
@@ -102,5 +102,5 @@ class RayExecutor(RankGroupExecutor):
         return "it stopped"
 
     def _stop_ranks(self) -> None:
-        for actor in getattr(self, "_actors", []):
+        for actor in getattr(self, "actors", []):
             ray.kill(actor, no_restart=True)

@@ -71,6 +71,7 @@ class EngineWorker:
         *,
         event_sink: EventSink | None = None,
         transfer_timeout: float = 30.0,
+        transfer_host: str = "127.0.0.1",
     ) -> None:
         self.name = name
         self.engine = Engine(engine_config)
@@ -97,6 +98,7 @@ class EngineWorker:
                 self.engine.layout,
                 self._backend,
                 lock=self.lock,
+                host=transfer_host,
                 timeout=transfer_timeout,
             )
         self.transfer_stats = {"bytes": 0}

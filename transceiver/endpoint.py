@@ -100,7 +100,7 @@ class TransferReceiver:
         backend: TransferBackend,
         *,
         lock: threading.Lock,
-        host: str = "127.0.0.1",
+        host: str,
         port: int = 0,
         timeout: float = 30.0,
     ) -> None:

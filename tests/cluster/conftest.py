@@ -3,13 +3,20 @@ the first test that asks for it)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
+import openai
 import pytest
+import ray
+
+from hybridserve.workers import LLM, SamplingParams
 
 API_KEY, OTHER_KEY = "key-tenant-a", "key-tenant-b"
+PROMPT = "The hybrid model reads this prompt and continues it for a while."
 # Small pools: scenarios must return them to baseline, and the engines start fast.
 ENGINE = {"max_num_seqs": 8, "num_kv_blocks": 192, "max_model_len": 768, "block_size": 16}
 SERVICE = {
@@ -21,6 +28,16 @@ SERVICE = {
     "torch_threads": 1,
     "transfer_timeout_s": 10.0,
     "router": {"decode_prefill_threshold": 64},
+}
+
+
+# Colocated engines of two rank actors each (placement groups of two 0.5-CPU bundles).
+TP_SERVICE = {
+    "num_prefill": 0,
+    "num_decode": 2,
+    "engine": ENGINE | {"tensor_parallel_size": 2},
+    "rank_resources": {"CPU": 0.5},
+    "torch_threads": 1,
 }
 
 
@@ -40,9 +57,56 @@ class Service:
 def service() -> Iterator[Service]:
     from hybridserve.cluster import local
 
-    local.connect_ray(num_cpus=4)
+    # Logical CPUs: two services (Serve replicas take 1 each) and tensor-parallel bundles.
+    local.connect_ray(num_cpus=8)
     try:
         base_url = local.deploy(SERVICE, port=local.free_port())
         yield Service(base_url, local.coordinator())
     finally:
         local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_service(service: Service) -> Iterator[Service]:
+    """A second application on the session's cluster: tensor-parallel engines, under /tp."""
+    from ray import serve
+
+    from hybridserve.cluster import local
+
+    name = "hybridserve-tp"
+    url = urlsplit(service.base_url)  # Serve's one HTTP proxy serves both applications
+    try:
+        base_url = local.deploy(TP_SERVICE, url.hostname, url.port, name=name, route_prefix="/tp")
+        yield Service(base_url, local.coordinator(name))
+    finally:
+        serve.delete(name)
+
+
+# ---- helpers for the service tests -----------------------------------------------------
+
+
+def client(service: Service, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def offline_tokens(llm: LLM, prompt: Any, **params: Any) -> list[int]:
+    (out,) = llm.generate([prompt], SamplingParams(**params))
+    return out.token_ids
+
+
+def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Wait until no engine holds a request, then every engine's integrity report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engines = service.engines()
+        reports = ray.get([h.check_integrity.remote() for h in engines.values()])
+        if not any(r["busy"] for r in reports) or time.monotonic() > deadline:
+            return dict(zip(engines, reports, strict=True))
+        time.sleep(0.2)
+
+
+def assert_at_baseline(service: Service) -> None:
+    for name, report in settle(service).items():
+        assert not report["busy"], name
+        assert report["num_free_blocks"] == report["num_blocks"], name
+        assert report["num_free_slots"] == report["num_live_slots"], name

@@ -7,7 +7,6 @@ counts for leaks. The engine-killing scenario runs last (this module's final tes
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -16,43 +15,23 @@ import pytest
 import ray
 
 from hybridserve.workers import LLM, SamplingParams
-from tests.cluster.conftest import API_KEY, ENGINE, OTHER_KEY, Service
+from tests.cluster.conftest import (
+    API_KEY,
+    ENGINE,
+    OTHER_KEY,
+    PROMPT,
+    Service,
+    assert_at_baseline,
+    client,
+    offline_tokens,
+)
 
 pytestmark = pytest.mark.slow
-
-PROMPT = "The hybrid model reads this prompt and continues it for a while."
 
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM("tiny", **ENGINE)
-
-
-def client(service: Service, key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def offline_tokens(llm: LLM, prompt: Any, **params: Any) -> list[int]:
-    (out,) = llm.generate([prompt], SamplingParams(**params))
-    return out.token_ids
-
-
-def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
-    """Wait until no engine holds a request, then every engine's integrity report."""
-    deadline = time.monotonic() + timeout
-    while True:
-        engines = service.engines()
-        reports = ray.get([h.check_integrity.remote() for h in engines.values()])
-        if not any(r["busy"] for r in reports) or time.monotonic() > deadline:
-            return dict(zip(engines, reports, strict=True))
-        time.sleep(0.2)
-
-
-def assert_at_baseline(service: Service) -> None:
-    for name, report in settle(service).items():
-        assert not report["busy"], name
-        assert report["num_free_blocks"] == report["num_blocks"], name
-        assert report["num_free_slots"] == report["num_live_slots"], name
 
 
 def engine_stats(service: Service) -> dict[str, dict[str, Any]]:

@@ -24,8 +24,10 @@ def request(prompt: list[int] = PROMPT, **sampling: Any) -> GenerateRequest:
     return GenerateRequest(f"r{next(_ids)}", prompt, GREEDY | sampling)
 
 
-def worker(role: str, name: str | None = None) -> EngineWorker:
-    return EngineWorker(name or role, EngineConfig(**ENGINE, role=role), transfer_timeout=5.0)
+def worker(role: str, name: str | None = None, **options: Any) -> EngineWorker:
+    return EngineWorker(
+        name or role, EngineConfig(**ENGINE, role=role), transfer_timeout=5.0, **options
+    )
 
 
 def tokens_of(events: list[TokenEvent]) -> list[int]:
@@ -61,7 +63,11 @@ def assert_idle_at_baseline(*workers: EngineWorker) -> None:
 
 @pytest.fixture(scope="module")
 def pair():
-    prefill, decode = worker("prefill"), worker("decode")
+    # The decode endpoint binds and advertises the address it is given (the service gives
+    # each engine its node's): another loopback address here, never a built-in 127.0.0.1.
+    prefill, decode = worker("prefill"), worker("decode", transfer_host="127.0.0.2")
+    assert decode.address is not None and decode.address[0] == "127.0.0.2"
+    assert decode.describe()["address"][0] == "127.0.0.2"
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()

@@ -39,6 +39,7 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
         engine.layout,
         create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         lock=lock,
+        host="127.0.0.1",
     )
     emit({"address": list(receiver.address)})
     stop = threading.Event()

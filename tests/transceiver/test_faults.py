@@ -127,6 +127,7 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
                 create_backend(backend, Pools.of(decode.caches), decode.config.transfer_streams)
             ),
             lock=decode_lock,
+            host="127.0.0.1",
             timeout=receiver_timeout,
         )
         sender = TransferSender(

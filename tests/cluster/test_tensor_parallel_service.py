@@ -1,0 +1,119 @@
+"""Tensor-parallel engines in the service: each engine is rank actors in its own placement
+group. Over HTTP with the `openai` client they give the offline TP 1 engine's tokens; a rank
+killed mid-stream ends that engine's streams with an error and the rest keep serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+import ray
+
+from hybridserve.workers import LLM, SamplingParams
+from tests.cluster.conftest import (
+    ENGINE,
+    PROMPT,
+    assert_at_baseline,
+    client,
+    offline_tokens,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("tiny", **ENGINE)
+
+
+def test_each_engine_runs_on_its_own_placement_group_of_rank_actors(tp_service):
+    resources = tp_service.coordinator.engine_resources.remote().result()
+    assert resources == {
+        name: {"ranks": 2, "bundle": {"CPU": 0.5}, "placement_strategy": "STRICT_PACK"}
+        for name in ("colocated-0", "colocated-1")
+    }
+    for engine in tp_service.engines().values():
+        assert len(ray.get(engine.rank_actors.remote())) == 1
+
+
+def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
+    greedy = client(tp_service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    expected = offline_tokens(offline, PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    assert greedy.choices[0].token_ids == expected
+    stream = client(tp_service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.9,
+        seed=11,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    streamed = [t for chunk in stream for c in chunk.choices for t in (c.token_ids or [])]
+    assert streamed == offline_tokens(
+        offline, PROMPT, max_tokens=10, temperature=0.9, seed=11, ignore_eos=True
+    )
+    messages = [{"role": "user", "content": "Say something about state space models."}]
+    chat = client(tp_service).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0
+    )
+    (expected_chat,) = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0))
+    assert chat.choices[0].message.content == expected_chat.text
+    assert_at_baseline(tp_service)
+
+
+def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_serving(
+    tp_service,
+):
+    """Runs last in this module: it leaves one engine."""
+    errors: list[str] = []
+    finished: list[str] = []
+
+    def consume(index: int) -> None:
+        try:
+            stream = client(tp_service).completions.create(
+                model="tiny",
+                prompt=f"{PROMPT} ({index})",
+                max_tokens=600,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for _ in stream:
+                pass
+            finished.append(str(index))
+        except openai.APIError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    engines = tp_service.engines()
+    victim = "colocated-0"
+    deadline = time.monotonic() + 30
+    while not ray.get(engines[victim].stats.remote())["num_requests_running"]:
+        assert time.monotonic() < deadline, "no request reached the victim engine"
+        time.sleep(0.05)
+    (rank_actor,) = ray.get(engines[victim].rank_actors.remote())
+    ray.kill(rank_actor)
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors and all("tensor-parallel rank 1 died" in e for e in errors), errors
+    # The Coordinator's health check drops the engine (and its index entries, and its
+    # placement group); a probe is served by the other engine.
+    deadline = time.monotonic() + 30
+    while victim in tp_service.engines():
+        assert time.monotonic() < deadline, "the dead engine was never dropped"
+        time.sleep(0.2)
+    router = tp_service.topology()["router"]
+    assert victim not in ray.get(router.stats.remote())["engines"]
+    probe = client(tp_service).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    assert probe.choices[0].finish_reason == "length"
+    assert_at_baseline(tp_service)
