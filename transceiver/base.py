@@ -18,6 +18,7 @@ import torch
 
 from hybridserve.transceiver.channel import Channel
 from hybridserve.transceiver.protocol import ReceivePlan
+from hybridserve.transceiver.tp_mapping import Piece
 
 if TYPE_CHECKING:
     from hybridserve.workers.forward_batch import StateCaches
@@ -56,20 +57,40 @@ class RegionCopy:
     kind: RegionKind
     src: int  # the sender's block id / slot
     dst: int  # the receiver's block id / slot
+    # Byte ranges (source offset, destination offset, bytes) inside the two regions, when the
+    # two sides shard the state differently (tp_mapping.region_pieces); empty: the whole
+    # region, laid out alike on both sides.
+    pieces: tuple[Piece, ...] = ()
+
+    def byte_ranges(self, region_bytes: int) -> tuple[Piece, ...]:
+        return self.pieces or ((0, 0, region_bytes),)
 
 
 def region_copies(
-    pools: Pools, src_blocks: list[int], src_slot: int, plan: ReceivePlan
+    pools: Pools,
+    src_blocks: list[int],
+    src_slot: int,
+    plan: ReceivePlan,
+    pieces: dict[str, tuple[Piece, ...]] | None = None,
 ) -> list[RegionCopy]:
     """KV blocks the receiver does not hold yet, then the live Mamba slot (the state after the
-    whole prompt travels last: it only means something with every block in place)."""
+    whole prompt travels last: it only means something with every block in place). `pieces`
+    (per kind) carries one rank pair's shards between different TP layouts; a kind without
+    pieces there has nothing to move for this pair."""
     copies: list[RegionCopy] = []
-    if pools.kv is not None:
+
+    def wanted(kind: str) -> bool:
+        return getattr(pools, kind) is not None and (pieces is None or bool(pieces.get(kind)))
+
+    def of(kind: str) -> tuple[Piece, ...]:
+        return () if pieces is None else pieces[kind]
+
+    if wanted("kv"):
         for src, dst in zip(src_blocks[plan.held_blocks :], plan.dst_block_ids, strict=True):
-            copies.append(RegionCopy("kv", src, dst))
+            copies.append(RegionCopy("kv", src, dst, of("kv")))
     for kind in ("conv", "ssm"):
-        if getattr(pools, kind) is not None:
-            copies.append(RegionCopy(kind, src_slot, plan.dst_slot))  # type: ignore[arg-type]
+        if wanted(kind):
+            copies.append(RegionCopy(kind, src_slot, plan.dst_slot, of(kind)))  # type: ignore[arg-type]
     return copies
 
 

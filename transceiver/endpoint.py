@@ -15,6 +15,11 @@ not import the engine) under the caller's lock, since the engine's own loop step
 A failure on the link closes it (its state is unknown); the sender reconnects for the next
 request. The prefill side frees a failed handoff at once when its backend guarantees no read
 is still in flight (TCP), otherwise at lease expiry.
+
+Between engines of different tensor-parallel sizes (or any engine of several ranks), this link
+carries the control and rank 0's shards for decode rank 0; every other rank pair moves on its
+own shard link (shards.py), armed before the plan goes back and waited for before the request
+is admitted.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import logging
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +44,8 @@ from hybridserve.transceiver.protocol import (
     TransferError,
     TransferRequest,
 )
+from hybridserve.transceiver.shards import EngineShards, rank_layout
+from hybridserve.transceiver.tp_mapping import Piece, pair_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +78,23 @@ class SendOutcome:
         return self.status == "acked"
 
 
-def _handshake_reply(channel: Channel, layout: PeerLayout, backend: TransferBackend) -> str:
-    """Receiver half of the handshake; returns the peer's backend handle."""
+def needs_shard_links(sender: PeerLayout, receiver: PeerLayout) -> bool:
+    """Whether rank pairs other than (0, 0) exchange state."""
+    return sender.tp_size > 1 or receiver.tp_size > 1
+
+
+def rank0_pieces(sender: PeerLayout, receiver: PeerLayout) -> dict[str, tuple[Piece, ...]] | None:
+    """What rank 0 sends rank 0 on the transfer link: whole regions between equal layouts,
+    its share of them otherwise."""
+    if sender.tp_size == receiver.tp_size:
+        return None
+    return pair_pieces(rank_layout(sender, 0), rank_layout(receiver, 0))
+
+
+def _handshake_reply(
+    channel: Channel, layout: PeerLayout, backend: TransferBackend, shards: EngineShards | None
+) -> tuple[str, PeerLayout]:
+    """Receiver half of the handshake; returns the peer's backend handle and layout."""
     hello = channel.receive()
     if not isinstance(hello, Hello):
         raise TransferFailed(f"expected a Hello from the transfer peer, got {hello.type}")
@@ -82,12 +105,18 @@ def _handshake_reply(channel: Channel, layout: PeerLayout, backend: TransferBack
                 f"{backend.name!r}: both sides must use the same one"
             )
         check_compatible(layout, hello.layout)
+        if shards is None and needs_shard_links(hello.layout, layout):
+            raise LayoutMismatch(
+                f"a prefill engine of tensor_parallel_size {hello.layout.tp_size} needs shard "
+                "links, and this engine has none"
+            )
     except LayoutMismatch as exc:
         channel.send(TransferError("", "layout_mismatch", str(exc)))
         raise
     peer = backend.add_peer(hello.backend_info)
-    channel.send(Hello(layout, backend.name, backend.local_info()))
-    return peer
+    addresses = [list(a) for a in shards.addresses()] if shards is not None else []
+    channel.send(Hello(layout, backend.name, backend.local_info(), addresses))
+    return peer, hello.layout
 
 
 class TransferReceiver:
@@ -103,12 +132,14 @@ class TransferReceiver:
         host: str,
         port: int = 0,
         timeout: float = 30.0,
+        shards: EngineShards | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
         self.backend = backend
         self.lock = lock
         self.timeout = timeout
+        self.shards = shards
         self._server = socket.create_server((host, port))
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
@@ -136,7 +167,7 @@ class TransferReceiver:
     def _serve(self, channel: Channel) -> None:
         peer = ""
         try:
-            peer = _handshake_reply(channel, self.layout, self.backend)
+            peer, sender = _handshake_reply(channel, self.layout, self.backend, self.shards)
             while not self._stop.is_set():
                 try:
                     message = channel.receive(timeout=0.5)
@@ -145,7 +176,7 @@ class TransferReceiver:
                         continue  # idle link
                     raise
                 if isinstance(message, TransferRequest):
-                    self._receive(channel, peer, message)
+                    self._receive(channel, peer, sender, message)
                 elif isinstance(message, TransferAbort):
                     with self.lock:
                         self.engine.fail_receive(
@@ -158,19 +189,35 @@ class TransferReceiver:
                 self.backend.remove_peer(peer)
             channel.close()
 
-    def _receive(self, channel: Channel, peer: str, message: TransferRequest) -> None:
+    def _receive(
+        self, channel: Channel, peer: str, sender: PeerLayout, message: TransferRequest
+    ) -> None:
         request_id = message.request_id
+        shards = self.shards if needs_shard_links(sender, self.layout) else None
         with self.lock:
             try:
                 plan = self.engine.prepare_receive(message)
             except ValueError as exc:
                 channel.send(TransferError(request_id, getattr(exc, "code", "rejected"), str(exc)))
                 return
+        try:
+            if shards is not None:  # every rank knows what it lands before anything is sent
+                shards.expect(request_id, plan, sender)
+        except Exception as exc:
+            with self.lock:
+                self.engine.fail_receive(request_id, f"shards not armed: {exc}", writer_done=True)
+            channel.send(TransferError(request_id, "shards_unavailable", str(exc)))
+            return
         channel.send(plan)
+        num_blocks = plan.held_blocks + len(plan.dst_block_ids)
         copies = [
-            RegionCopy(c.kind, -1, c.dst)
+            RegionCopy(c.kind, -1, c.dst, c.pieces)
             for c in region_copies(
-                self.backend.pools, [-1] * (plan.held_blocks + len(plan.dst_block_ids)), -1, plan
+                self.backend.pools,
+                [-1] * num_blocks,
+                -1,
+                plan,
+                rank0_pieces(sender, self.layout),
             )
         ]
         try:
@@ -180,12 +227,19 @@ class TransferReceiver:
                 raise TransferFailed(f"sender aborted: {done.reason}")
             if not isinstance(done, TransferDone) or done.request_id != request_id:
                 raise TransferFailed(f"request {request_id}: expected TransferDone, got {done!r}")
+            if shards is not None:
+                shards.wait(request_id, self.timeout)
         except TransferFailed as exc:
+            if shards is not None:
+                shards.cancel(request_id)
             with self.lock:
                 # A TCP link is the only writer: once it failed nothing else can land. NIXL
-                # writes come from the peer's NIC, so those pages wait in quarantine.
+                # writes come from the peer's NIC, and shard links from other ranks, so those
+                # pages wait in quarantine.
                 self.engine.fail_receive(
-                    request_id, str(exc), writer_done=self.backend.name == "tcp"
+                    request_id,
+                    str(exc),
+                    writer_done=self.backend.name == "tcp" and shards is None,
                 )
             raise
         with self.lock:
@@ -214,6 +268,7 @@ class TransferSender:
         *,
         lock: threading.Lock,
         timeout: float = 30.0,
+        shards: EngineShards | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
@@ -221,8 +276,11 @@ class TransferSender:
         self.peer_address = peer_address
         self.lock = lock
         self.timeout = timeout
+        self.shards = shards
         self._channel: Channel | None = None
         self._peer = ""
+        self._receiver: Hello | None = None  # the decode peer's Hello
+        self._shard_sends = ThreadPoolExecutor(1, thread_name_prefix="shard-fanout")
 
     def connect(self) -> None:
         """Open the link and check the peer's layout (LayoutMismatch if incompatible)."""
@@ -235,11 +293,19 @@ class TransferSender:
             if not isinstance(reply, Hello):
                 raise TransferFailed(f"expected a Hello from the decode peer, got {reply.type}")
             check_compatible(self.layout, reply.layout)
+            if needs_shard_links(self.layout, reply.layout) and (
+                self.shards is None or len(reply.shard_addresses) != reply.layout.tp_size
+            ):
+                raise LayoutMismatch(
+                    f"engines of tensor_parallel_size {self.layout.tp_size} and "
+                    f"{reply.layout.tp_size} need shard links on both sides"
+                )
             self._peer = self.backend.add_peer(reply.backend_info)
         except BaseException:
             channel.close()
             raise
         self._channel = channel
+        self._receiver = reply
 
     def send(self, request_id: str, message: TransferRequest) -> SendOutcome:
         """Transfer one handed-off request; its pages are released on ack or rejection, and on
@@ -269,15 +335,43 @@ class TransferSender:
                     "expired or aborted) before its data was sent"
                 )
             src_blocks, src_slot = source
-            copies = region_copies(self.backend.pools, src_blocks, src_slot, reply)
+            receiver = self._receiver
+            assert receiver is not None
+            copies = region_copies(
+                self.backend.pools,
+                src_blocks,
+                src_slot,
+                reply,
+                rank0_pieces(self.layout, receiver.layout),
+            )
             data_started = True
+            shard_sends = None
+            if needs_shard_links(self.layout, receiver.layout):
+                assert self.shards is not None  # connect() refused the peer otherwise
+                addresses = [(str(a[0]), int(a[1])) for a in receiver.shard_addresses]
+                # Every other rank pair moves meanwhile, each from its own rank.
+                shard_sends = self._shard_sends.submit(
+                    self.shards.send,
+                    request_id,
+                    src_blocks,
+                    src_slot,
+                    reply,
+                    receiver.layout,
+                    addresses,
+                )
             self.backend.send(channel, self._peer, request_id, copies, self.timeout)
+            nbytes = sum(
+                n
+                for c in copies
+                for _, _, n in c.byte_ranges(self.backend.pools.region(c.kind, c.src).nbytes)
+            )
+            if shard_sends is not None:
+                nbytes += shard_sends.result()  # raises what a shard send raised
             channel.send(TransferDone(request_id))
             ack = channel.receive(self.timeout)
             if not isinstance(ack, TransferAck) or ack.request_id != request_id:
                 raise TransferFailed(f"request {request_id}: expected TransferAck, got {ack!r}")
             sent = sum(1 for c in copies if c.kind == "kv")
-            nbytes = sum(self.backend.pools.region(c.kind, c.src).nbytes for c in copies)
         except TransferFailed as exc:
             with contextlib.suppress(TransferFailed):
                 channel.send(TransferAbort(request_id, str(exc)))

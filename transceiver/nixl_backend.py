@@ -114,12 +114,11 @@ class NixlBackend(TransferBackend):
 
     def add_peer(self, info: bytes) -> str:
         data = msgpack.unpackb(info, raw=False)
-        for kind, (_, size, _, _) in data["pools"].items():
-            if kind not in self.layout or self.layout[kind][1] != size:
-                raise TransferFailed(
-                    f"peer {kind} regions are {size} bytes, ours "
-                    f"{self.layout.get(kind, [0, 0])[1]}: layouts disagree"
-                )
+        if set(data["pools"]) != set(self.layout):
+            raise TransferFailed(
+                f"peer pools {sorted(data['pools'])} are not ours {sorted(self.layout)}: "
+                "layouts disagree"
+            )
         streams = data.get("streams")
         if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
             raise TransferFailed(f"peer stream count {streams!r} is not a positive integer")
@@ -140,7 +139,14 @@ class NixlBackend(TransferBackend):
         for copy in copies:
             base, size, stride, device = layout[copy.kind]
             index = copy.src if side == "src" else copy.dst
-            descs.append((base + index * stride, size, device))
+            for src, dst, nbytes in copy.byte_ranges(size):
+                offset = src if side == "src" else dst
+                if offset + nbytes > size:  # never write past a region (its neighbour's bytes)
+                    raise TransferFailed(
+                        f"a {copy.kind} piece [{offset}, {offset + nbytes}) is outside the "
+                        f"{size}-byte {side} region: layouts disagree"
+                    )
+                descs.append((base + index * stride + offset, nbytes, device))
         return self.agent.get_xfer_descs(descs, mem_type)
 
     def send(

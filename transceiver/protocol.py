@@ -1,10 +1,13 @@
 """The transceiver's wire messages: versioned, msgpack-serialisable, never pickle.
 
-    prefill (sender)                                  decode (receiver)
-    Hello(layout, backend info)        <---->         Hello(layout, backend info)
-    TransferRequest(request, state_pos, ...)  --->    validate, allocate
+    prefill (sender, rank 0)                          decode (receiver, rank 0)
+    Hello(layout, backend info)        <---->         Hello(layout, backend info, the shard
+                                                            addresses of every decode rank)
+    TransferRequest(request, state_pos, ...)  --->    validate, allocate; arm the other ranks
                                               <---    ReceivePlan(held blocks, dst blocks, slot)
     KV blocks [held, n) + live Mamba slot     --->    (data plane: TCP bytes or NIXL writes)
+      (rank 0's shards; every other rank pair      (each decode rank lands what it expects)
+       on its own shard link: ShardStart + data)
     TransferDone                              --->    admit, continue decoding
                                               <---    TransferAck        (prefill frees)
     TransferAbort / TransferError either way at any point: both sides release.
@@ -14,7 +17,7 @@ Every message is a dict {"v": PROTOCOL_VERSION, "type": ..., fields}; decoding c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -22,7 +25,8 @@ import msgpack
 from hybridserve.transceiver.layout import PeerLayout
 
 # 2: layouts carry the model's KV head and Mamba group totals (replicated shards).
-PROTOCOL_VERSION = 2
+# 3: Hello carries the decode ranks' shard addresses; ShardStart opens a rank pair's data.
+PROTOCOL_VERSION = 3
 # Largest control message accepted (a TransferRequest carries the prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -37,7 +41,20 @@ class Hello:
     backend: str
     # Backend-specific connection data (NIXL agent metadata and pool descriptors).
     backend_info: bytes = b""
+    # A decode engine: where each of its ranks accepts shard links (rank order); empty from a
+    # prefill engine, and on a shard link itself.
+    shard_addresses: list[list[Any]] = field(default_factory=list)
     type: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class ShardStart:
+    """On a shard link (prefill rank i -> decode rank j): the data of `request_id` follows,
+    the pieces of rank i's shards that rank j holds."""
+
+    request_id: str
+    src_rank: int
+    type: ClassVar[str] = "shard_start"
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ class TransferError:
 
 Message = (
     Hello
+    | ShardStart
     | TransferRequest
     | ReceivePlan
     | DataFrame
@@ -128,6 +146,7 @@ _TYPES: dict[str, type[Any]] = {
     cls.type: cls
     for cls in (
         Hello,
+        ShardStart,
         TransferRequest,
         ReceivePlan,
         DataFrame,
@@ -194,6 +213,7 @@ __all__ = [
     "ProtocolError",
     "ReceivePlan",
     "SamplingState",
+    "ShardStart",
     "TransferAbort",
     "TransferAck",
     "TransferDone",

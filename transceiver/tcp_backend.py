@@ -27,10 +27,12 @@ class TcpBackend(TransferBackend):
     ) -> None:
         for copy in copies:
             region = self.pools.region(copy.kind, copy.src)
-            host = region.cpu() if region.is_cuda else region
-            nbytes = host.numel() * host.element_size()
+            view = _byte_view(region.cpu() if region.is_cuda else region)
+            ranges = copy.byte_ranges(len(view))
+            nbytes = sum(n for _, _, n in ranges)
             channel.send(DataFrame(request_id, copy.kind, copy.dst, nbytes))
-            channel.send_bytes(_byte_view(host))
+            for start, _, n in ranges:
+                channel.send_bytes(view[start : start + n])
 
     def receive(
         self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
@@ -40,7 +42,8 @@ class TcpBackend(TransferBackend):
             if isinstance(frame, TransferAbort):
                 raise TransferFailed(f"request {request_id}: sender aborted: {frame.reason}")
             region = self.pools.region(copy.kind, copy.dst)
-            nbytes = region.numel() * region.element_size()
+            ranges = copy.byte_ranges(region.numel() * region.element_size())
+            nbytes = sum(n for _, _, n in ranges)
             if not isinstance(frame, DataFrame) or (
                 frame.request_id,
                 frame.kind,
@@ -54,7 +57,14 @@ class TcpBackend(TransferBackend):
                 )
             if region.is_cuda:
                 staging = torch.empty_like(region, device="cpu")
-                channel.receive_into(_byte_view(staging), timeout)
-                region.copy_(staging)
+                view = _byte_view(staging)
+                for _, start, n in ranges:
+                    channel.receive_into(view[start : start + n], timeout)
+                target = region.reshape(-1).view(torch.uint8)
+                source = staging.reshape(-1).view(torch.uint8)
+                for _, start, n in ranges:  # only the ranges: the rest of the region is not ours
+                    target[start : start + n].copy_(source[start : start + n])
             else:
-                channel.receive_into(_byte_view(region), timeout)
+                view = _byte_view(region)
+                for _, start, n in ranges:
+                    channel.receive_into(view[start : start + n], timeout)

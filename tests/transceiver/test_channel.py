@@ -87,7 +87,7 @@ def test_a_peer_that_closes_raises_transfer_failed(pair):
 
 def test_a_peer_that_closes_mid_frame_never_yields_a_partial_message(pair):
     client, server = pair
-    payload = b"\x81\xa1v\x02"  # a valid start of a message ...
+    payload = b"\x81\xa1v\x03"  # a valid start of a message ...
     client.send_bytes(struct.pack(">I", 100) + payload)  # ... announced as 100 bytes
     client.close()
     with pytest.raises(TransferFailed, match="closed the connection"):
@@ -165,8 +165,8 @@ def test_an_oversized_frame_is_refused_without_reading_it(pair):
     [
         (b"\xc1\xc1\xc1", "not a msgpack message"),
         (b"\x93\x01\x02\x03", "expected a message object"),
-        (b"\x82\xa1v\x03\xa4type\xa4done", "protocol version 3"),
-        (b"\x82\xa1v\x02\xa4type\xa4exec", "unknown message type 'exec'"),
+        (b"\x82\xa1v\x04\xa4type\xa4done", "protocol version 4"),
+        (b"\x82\xa1v\x03\xa4type\xa4exec", "unknown message type 'exec'"),
     ],
 )
 def test_a_malformed_frame_raises_transfer_failed_naming_the_problem(pair, body, shown):

@@ -23,6 +23,7 @@ from hybridserve.transceiver.protocol import (
     ProtocolError,
     ReceivePlan,
     SamplingState,
+    ShardStart,
     TransferAbort,
     TransferAck,
     TransferDone,
@@ -59,6 +60,8 @@ LAYOUT = PeerLayout(
 MESSAGES = [
     Hello(LAYOUT, "nixl", b"\x00agent\xffmetadata"),
     Hello(LAYOUT, "tcp"),
+    Hello(LAYOUT, "tcp", shard_addresses=[["10.0.0.7", 41000], ["10.0.0.8", 41001]]),
+    ShardStart("req-7", 1),
     TransferRequest(
         request_id="req-7",
         prompt_token_ids=[5, 0, 127, 3],
@@ -110,6 +113,7 @@ def test_every_message_type_is_covered_here():
     assert {type(m) for m in MESSAGES} == set(protocol.Message.__args__)  # type: ignore[attr-defined]
     assert {type(m).type for m in MESSAGES} == {
         "hello",
+        "shard_start",
         "transfer_request",
         "receive_plan",
         "data_frame",
@@ -121,19 +125,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 2, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 3, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "02"  # "v": 2
+        "a176" "03"  # "v": 3
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 2,
+        "v": 3,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -147,7 +151,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(1, "protocol version 1 is not 2"), (None, "protocol version None")]
+    ("version", "shown"), [(2, "protocol version 2 is not 3"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))
@@ -223,7 +227,7 @@ def test_a_malformed_peer_layout_is_a_protocol_error(value, shown):
     ],
 )
 def test_malformed_sampling_state_is_a_protocol_error(value, shown):
-    data = _wire(MESSAGES[2]) | {"sampling": value}
+    data = _wire(MESSAGES[4]) | {"sampling": value}
     with pytest.raises(ProtocolError, match="transfer_request: malformed") as info:
         decode(msgpack.packb(data))
     assert shown in str(info.value)

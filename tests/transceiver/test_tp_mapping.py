@@ -9,7 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.transceiver.tp_mapping import Fragment, apply, plan, section_offsets, shard
+from hybridserve.transceiver.tp_mapping import (
+    Fragment,
+    RegionShape,
+    Section,
+    apply,
+    plan,
+    region_pieces,
+    section_offsets,
+    shard,
+)
 
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2)]
 
@@ -151,7 +160,7 @@ def test_tp_sizes_that_do_not_divide_each_other_are_refused(src_tp, dst_tp):
         ((6,), 4, 2, 6),  # 8 -> 6 KV heads is not 4-way splittable
         ((64, 6, 6), 1, 4, 6),  # conv sections (n_groups * d_state) must divide by TP
         ((64, 32, 30), 2, 4, 30),
-        ((8, 4), 8, 1, 4),
+        ((8, 6), 8, 1, 6),  # 6 units over 8 ranks: neither split nor replicated
     ],
 )
 def test_sections_that_cannot_be_split_evenly_are_refused(sections, src_tp, dst_tp, bad):
@@ -159,3 +168,69 @@ def test_sections_that_cannot_be_split_evenly_are_refused(sections, src_tp, dst_
         ValueError, match=f"a section of {bad} cannot be split across {src_tp} and {dst_tp} ranks"
     ):
         plan(sections, src_tp, dst_tp)
+
+
+# ---- replicated units ----------------------------------------------------------------------
+
+# KV heads 2 (rows = heads here) and B/C groups 2 of 3 rows each: replicated over 4 ranks.
+REPLICATED = (Section(2, units=2),)
+GROUPED = (Section(8), Section(6, units=2), Section(6, units=2))  # conv x | B | C
+
+
+def replicated_by_hand(full, axis, sections, tp, rank):
+    """1/tp of a section with at least tp units; otherwise the whole unit rank // (tp / units)
+    reads (replicated)."""
+    index, start = [], 0
+    for section in sections:
+        units = section.units or section.size
+        if units >= tp:
+            rows = section.size // tp
+            first = rank * rows
+        else:
+            rows = section.size // units
+            first = rank // (tp // units) * rows
+        index.extend(range(start + first, start + first + rows))
+        start += section.size
+    return full.index_select(axis, torch.tensor(index))
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 4), (4, 1), (2, 4), (4, 2), (4, 4), (1, 2)])
+@pytest.mark.parametrize("sections", [REPLICATED, GROUPED], ids=["kv-heads", "conv-groups"])
+def test_replicated_units_reach_every_rank_that_reads_them(sections, src_tp, dst_tp):
+    full = full_state((3, sum(s.size for s in sections), 5), seed=src_tp + 7 * dst_tp)
+    sources = [replicated_by_hand(full, 1, sections, src_tp, r) for r in range(src_tp)]
+    for rank in range(src_tp):
+        assert torch.equal(shard(full, 1, sections, src_tp, rank), sources[rank])
+    destinations = [
+        torch.full_like(replicated_by_hand(full, 1, sections, dst_tp, r), float("nan"))
+        for r in range(dst_tp)
+    ]
+    fragments = plan(sections, src_tp, dst_tp)
+    apply(fragments, sources, destinations, 1, sections, src_tp, dst_tp)
+    for rank in range(dst_tp):
+        assert torch.equal(destinations[rank], replicated_by_hand(full, 1, sections, dst_tp, rank))
+    # Each destination row is written once.
+    assert len({(f.dst_rank, f.section, f.dst_start) for f in fragments}) == len(fragments)
+
+
+def test_reads_of_replicated_rows_spread_over_the_replicas():
+    """2 KV heads at TP 4 -> TP 4: each decode rank reads its head from the source rank that
+    is its own replica, not all from the first."""
+    fragments = plan(REPLICATED, 4, 4)
+    assert [(f.src_rank, f.dst_rank) for f in fragments] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+
+def test_region_pieces_are_byte_ranges_of_the_strided_head_runs():
+    """A KV block (2 layers x K|V, heads, 16-byte rows): TP 1 (4 heads) -> TP 2 rank 1 reads
+    heads 2-3 of each of the 4 runs; equal layouts collapse into one whole-region piece."""
+    fragments = [f for f in plan((4,), 1, 2) if f.dst_rank == 1]
+    src, dst = RegionShape(4, 4, 16), RegionShape(4, 2, 16)
+    assert region_pieces(fragments, (4,), src, dst, 1, 2) == [
+        (32, 0, 32),
+        (96, 32, 32),
+        (160, 64, 32),
+        (224, 96, 32),
+    ]
+    same = RegionShape(4, 2, 16)
+    identity = [f for f in plan((4,), 2, 2) if f.dst_rank == 0]
+    assert region_pieces(identity, (4,), same, same, 2, 2) == [(0, 0, same.nbytes)]

@@ -1,0 +1,206 @@
+"""Transfers between engines of different tensor-parallel sizes, every rank in this process:
+each rank has its own pools (its shards of one full state), its own backend and shard links,
+and the two engines' rank 0 drive the transfer link. Oracle: the destination ranks' regions
+equal their shards of the source's full state, cut by hand with `tp_mapping.shard`; nothing
+else in the destination pools changes."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from hybridserve.transceiver.base import Pools
+from hybridserve.transceiver.channel import TransferFailed
+from hybridserve.transceiver.endpoint import TransferReceiver, TransferSender
+from hybridserve.transceiver.layout import PeerLayout
+from hybridserve.transceiver.protocol import ReceivePlan, SamplingState, TransferRequest
+from hybridserve.transceiver.registry import create_backend
+from hybridserve.transceiver.shards import (
+    EngineShards,
+    RankShards,
+    ShardReceiver,
+    ShardSender,
+)
+from hybridserve.transceiver.tp_mapping import shard, state_geometry
+from hybridserve.workers import EngineConfig
+from hybridserve.workers.disaggregation import peer_layout
+from hybridserve.workers.models.loader import read_model_config
+
+MODEL = read_model_config("tiny")  # 2 KV heads, 8 Mamba heads, 2 groups
+NUM_BLOCKS, NUM_SLOTS = 6, 3
+SRC_BLOCKS, SRC_SLOT = [4, 1, 3], 2
+DST_BLOCKS, DST_SLOT = [0, 5, 2], 1
+AXIS = {"kv": 3, "conv": 2, "ssm": 2}  # the split axis in a pool (after the block / slot index)
+
+
+def layouts(tp: int) -> list[PeerLayout]:
+    config = EngineConfig(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    return [peer_layout(MODEL, config, rank) for rank in range(tp)]
+
+
+def full_state(seed: int) -> dict[str, torch.Tensor]:
+    """Unsharded pools (every value distinct per kind, so a misplaced byte shows)."""
+    attention, mamba = MODEL.attention, MODEL.mamba
+    assert attention is not None and mamba is not None
+    shapes = {
+        "kv": (NUM_BLOCKS, MODEL.num_attention_layers, 2, attention.num_kv_heads, 16, 32),
+        "conv": (NUM_SLOTS, MODEL.num_mamba_layers, mamba.conv_dim, mamba.conv_kernel - 1),
+        "ssm": (NUM_SLOTS, MODEL.num_mamba_layers, mamba.num_heads, 32, mamba.state_size),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        kind: torch.randperm(torch.Size(shape).numel(), generator=generator).float().reshape(shape)
+        for kind, shape in shapes.items()
+    }
+
+
+def rank_pools(full: dict[str, torch.Tensor], layout: PeerLayout) -> Pools:
+    geometry = state_geometry(layout)
+    parts = {
+        kind: shard(tensor, AXIS[kind], geometry[kind][0], layout.tp_size, layout.tp_rank)
+        for kind, tensor in full.items()
+    }
+    return Pools(parts["kv"].contiguous(), parts["conv"].contiguous(), parts["ssm"].contiguous())
+
+
+@dataclass
+class PrefillPort:
+    released: list[str] = field(default_factory=list)
+
+    def handoff_source(self, request_id: str) -> tuple[list[int], int]:
+        return SRC_BLOCKS, SRC_SLOT
+
+    def release_handoff(self, request_id: str, reason: str) -> bool:
+        self.released.append(reason)
+        return True
+
+
+@dataclass
+class DecodePort:
+    completed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def prepare_receive(self, message: TransferRequest) -> ReceivePlan:
+        return ReceivePlan(message.request_id, 0, DST_BLOCKS, DST_SLOT)
+
+    def complete_receive(self, request_id: str) -> None:
+        self.completed.append(request_id)
+
+    def fail_receive(self, request_id: str, reason: str, *, writer_done: bool) -> None:
+        self.failed.append(reason)
+
+
+def request(request_id: str) -> TransferRequest:
+    return TransferRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        block_hashes=[],
+        cache_salt=None,
+        state_pos=3,
+        first_token=4,
+        sampling=SamplingState({}, 0, []),
+        num_cached_tokens=0,
+        compatibility_hash="",
+    )
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 2), (1, 4), (4, 2)])
+def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
+    if backend == "nixl":
+        pytest.importorskip("nixl._api", reason="the nixl package is not installed here")
+    source = full_state(seed=src_tp * 10 + dst_tp)
+    src_layouts, dst_layouts = layouts(src_tp), layouts(dst_tp)
+    before = {k: torch.full_like(t, -1.0) for k, t in source.items()}  # the decode side's pools
+    src_pools = [rank_pools(source, layout) for layout in src_layouts]
+    dst_pools = [rank_pools(before, layout) for layout in dst_layouts]
+    src_backends = [create_backend(backend, pools, 2) for pools in src_pools]
+    dst_backends = [create_backend(backend, pools, 2) for pools in dst_pools]
+    receivers = [
+        ShardReceiver(layout, b, host="127.0.0.1", timeout=5.0)
+        for layout, b in zip(dst_layouts, dst_backends, strict=True)
+    ]
+    senders = [
+        ShardSender(layout, b, timeout=5.0)
+        for layout, b in zip(src_layouts, src_backends, strict=True)
+    ]
+    prefill, decode = PrefillPort(), DecodePort()
+    receiver = TransferReceiver(
+        decode,
+        dst_layouts[0],
+        dst_backends[0],
+        lock=threading.Lock(),
+        host="127.0.0.1",
+        timeout=5.0,
+        shards=EngineShards([RankShards(receiver=r) for r in receivers]),
+    )
+    sender = TransferSender(
+        prefill,
+        src_layouts[0],
+        src_backends[0],
+        receiver.address,
+        lock=threading.Lock(),
+        timeout=5.0,
+        shards=EngineShards([RankShards(sender=s) for s in senders]),
+    )
+    try:
+        for request_id in ("a", "b"):  # the second reuses every link
+            outcome = sender.send(request_id, request(request_id))
+            assert outcome.ok, outcome
+        assert decode.completed == ["a", "b"] and not decode.failed
+        assert prefill.released == ["acked", "acked"]
+        total = sum(t[SRC_BLOCKS].numel() * 4 for k, t in source.items() if k == "kv")
+        total += sum(t[SRC_SLOT].numel() * 4 for k, t in source.items() if k != "kv")
+        assert outcome.bytes_sent >= total  # replicated heads travel to each replica
+        for layout, pools in zip(dst_layouts, dst_pools, strict=True):
+            expected = rank_pools(source, layout)
+            untouched = rank_pools(before, layout)
+            for kind, index, src_index in (
+                ("kv", DST_BLOCKS, SRC_BLOCKS),
+                ("conv", [DST_SLOT], [SRC_SLOT]),
+                ("ssm", [DST_SLOT], [SRC_SLOT]),
+            ):
+                got, want = getattr(pools, kind), getattr(expected, kind)
+                assert torch.equal(got[index], want[src_index]), (kind, layout.tp_rank)
+                others = [i for i in range(got.shape[0]) if i not in index]
+                assert torch.equal(got[others], getattr(untouched, kind)[others]), kind
+    finally:
+        sender.close_link()
+        receiver.close()
+        for agent in (*receivers, *senders):
+            agent.close()
+        for b in (*src_backends, *dst_backends):
+            b.close()
+
+
+def test_a_shard_nobody_expects_is_refused_and_the_transfer_fails_cleanly():
+    """The decode side lands only what its own plan says: a sender whose rank 1 targets a
+    request the decode ranks were never armed for closes that link, and the transfer fails."""
+    src_layouts, dst_layouts = layouts(2), layouts(1)
+    source = full_state(seed=3)
+    src_pools = [rank_pools(source, layout) for layout in src_layouts]
+    dst_pools = rank_pools({k: torch.zeros_like(t) for k, t in source.items()}, dst_layouts[0])
+    dst_backend = create_backend("tcp", dst_pools, 1)
+    shard_receiver = ShardReceiver(dst_layouts[0], dst_backend, host="127.0.0.1", timeout=2.0)
+    rank1 = ShardSender(src_layouts[1], create_backend("tcp", src_pools[1], 1), timeout=2.0)
+    try:
+        # TCP writes may all fit in the socket buffers: the refusal (the receiver closed the
+        # link) then shows on the next use of the link.
+        with pytest.raises(TransferFailed):
+            for attempt in range(3):
+                request_id = f"never-armed-{attempt}"
+                rank1.send(
+                    request_id,
+                    SRC_BLOCKS,
+                    SRC_SLOT,
+                    ReceivePlan(request_id, 0, DST_BLOCKS, DST_SLOT),
+                    dst_layouts[0],
+                    [shard_receiver.address],
+                )
+        assert torch.count_nonzero(dst_pools.kv) == 0  # nothing landed
+    finally:
+        rank1.close()
+        shard_receiver.close()
