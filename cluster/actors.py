@@ -86,7 +86,7 @@ class EngineActor:
 
         import torch
 
-        from hybridserve.cluster.ray_executor import RayExecutor
+        from hybridserve.cluster.ray_executor import RayExecutor, RayRankShards
         from hybridserve.cluster.worker import EngineWorker
         from hybridserve.workers.executor import register_executor
 
@@ -113,6 +113,11 @@ class EngineActor:
         self.worker = EngineWorker(
             name,
             EngineConfig(**engine_config),
+            rank_shards=(
+                (lambda engine: [RayRankShards(a) for a in engine.executor.actors])
+                if placement is not None
+                else None
+            ),
             event_sink=sink,
             transfer_timeout=transfer_timeout,
             # Prefill engines on other nodes reach this one at its own node's address.

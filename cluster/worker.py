@@ -31,6 +31,13 @@ from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEv
 from hybridserve.transceiver.base import Pools
 from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
 from hybridserve.transceiver.registry import create_backend
+from hybridserve.transceiver.shards import (
+    EngineShards,
+    RankShards,
+    RankShardsPort,
+    ShardReceiver,
+    ShardSender,
+)
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
 from hybridserve.workers.cache.events import CacheEvent, event_to_dict
 from hybridserve.workers.disaggregation import Handoff
@@ -72,7 +79,10 @@ class EngineWorker:
         event_sink: EventSink | None = None,
         transfer_timeout: float = 30.0,
         transfer_host: str = "127.0.0.1",
+        rank_shards: Callable[[Engine], list[RankShardsPort]] | None = None,
     ) -> None:
+        """`rank_shards`: the shard links of the engine's other ranks (a tensor-parallel
+        engine's rank actors), for transfers with engines of other TP layouts."""
         self.name = name
         self.engine = Engine(engine_config)
         self.role = engine_config.role
@@ -90,6 +100,22 @@ class EngineWorker:
             Pools.of(self.engine.caches),
             engine_config.transfer_streams,
         )
+        self.shards: EngineShards | None = None
+        if self.role != "colocated":
+            # Rank 0's own shard links, then the other ranks'.
+            local = RankShards(
+                receiver=ShardReceiver(
+                    self.engine.layout, self._backend, host=transfer_host, timeout=transfer_timeout
+                )
+                if self.role == "decode"
+                else None,
+                sender=ShardSender(self.engine.layout, self._backend, timeout=transfer_timeout)
+                if self.role == "prefill"
+                else None,
+            )
+            self._local_shards = local
+            others = rank_shards(self.engine) if rank_shards is not None else []
+            self.shards = EngineShards([local, *others])
         if self.role == "decode":
             # NOTE: a receive that fails under policy `fail` ends the request inside the
             # engine, which reports it on its next step: it reaches the stream from there.
@@ -100,6 +126,7 @@ class EngineWorker:
                 lock=self.lock,
                 host=transfer_host,
                 timeout=transfer_timeout,
+                shards=self.shards,
             )
         self.transfer_stats = {"bytes": 0}
         self.transfer_failures: dict[str, int] = {}
@@ -288,6 +315,8 @@ class EngineWorker:
         for sender, executor in self._senders.values():
             executor.shutdown(wait=True)
             sender.close_link()
+        if self.shards is not None:
+            self._local_shards.close()
         self._backend.close()
         self.engine.shutdown()  # a tensor-parallel engine's other ranks
 
@@ -400,6 +429,7 @@ class EngineWorker:
                 address,
                 lock=self.lock,
                 timeout=self._transfer_timeout,
+                shards=self.shards,
             )
             executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
             self._senders[address] = (sender, executor)

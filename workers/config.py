@@ -146,11 +146,12 @@ class EngineConfig(BaseModel):
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
                 f"{tp}: use 'mp' (one process per rank) or 'ray'"
             )
-        if tp > 1 and self.role != "colocated":
+        if tp > 1 and self.role != "colocated" and self.executor_backend != "ray":
             raise ValueError(
-                f"role={self.role!r} with tensor_parallel_size={tp}: transfers between "
-                "disaggregated engines move one rank's state so far; run prefill and decode "
-                "engines at tensor_parallel_size=1"
+                f"role={self.role!r} with tensor_parallel_size={tp}: each rank of a "
+                "disaggregated engine moves its own shards, which the service's rank actors "
+                "do (distributed_executor_backend='ray'); an engine in this process runs "
+                "role='colocated'"
             )
         if tp > 1 or self.enable_expert_parallel:
             # NOTE: reads only config.json, so a shape the ranks cannot split is refused before

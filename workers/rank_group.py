@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,9 +102,16 @@ def _join(
     return device_group, ControlChannel(control_group)
 
 
-def run_rank(payload: bytes, *, device_index: int | None = None, share_cores: bool = True) -> None:
+def run_rank(
+    payload: bytes,
+    *,
+    device_index: int | None = None,
+    share_cores: bool = True,
+    on_ready: Callable[[ModelRunner, EngineConfig], None] | None = None,
+) -> None:
     """A rank other than rank 0, from start-up to `stop`: load, allocate, report, join, serve.
-    Any failure is written to the store (rank 0 reports it) before it is raised."""
+    `on_ready` sees the rank's runner once its pools exist (a Ray rank attaches its transfer
+    links there). Any failure is written to the store (rank 0 reports it) before it is raised."""
     init = RankInit.from_bytes(payload)
     store = _store(init.store_host, init.store_port, init.world_size, master=False)
     try:
@@ -116,6 +123,8 @@ def run_rank(payload: bytes, *, device_index: int | None = None, share_cores: bo
         sizes = PoolSizes(**msgpack.unpackb(store.get("sizes"), raw=False))
         runner.allocate_pools(sizes, (sizes.num_host_blocks, sizes.num_host_slots))
         assert runner.memory is not None
+        if on_ready is not None:
+            on_ready(runner, config)
         got = [runner.memory.num_host_blocks, runner.memory.num_host_slots]
         store.set(f"ready/{init.rank}", msgpack.packb(got))
         _, channel = _join(store, parallel, runner.device)

@@ -100,7 +100,10 @@ def test_shapes_the_rules_can_split_are_accepted(tmp_path):
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
             "distributed_executor_backend='uni' runs one rank",
         ),
-        ({"tensor_parallel_size": 2, "role": "decode"}, "run prefill and decode engines at"),
+        (
+            {"tensor_parallel_size": 2, "role": "decode"},
+            "rank actors do \\(distributed_executor_backend='ray'\\)",
+        ),
     ],
 )
 def test_inconsistent_parallel_arguments_are_refused(args, message):
