@@ -344,9 +344,14 @@ class OpenAIIngress:
     ) -> AsyncIterator[str]:
         stats, start = self._new_stats(), time.monotonic()
         first = True
+        # Tokens whose text is held back (an incomplete UTF-8 sequence) ride with the next
+        # chunk that has text: a chunk is never sent empty, and no token id is ever dropped.
+        pending: list[int] = []
         try:
             async for text, ids, reason in self._texts(events, body, stats):
+                pending.extend(ids)
                 if text or reason is not None or first:
+                    ids, pending = pending, []
                     yield sse_event(
                         stream_chunk(
                             meta,
