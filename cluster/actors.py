@@ -3,7 +3,6 @@ PrefixIndex). Only dicts of plain data cross these calls (`cluster/messages.py`)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -154,32 +153,26 @@ class EngineActor:
         async for event in self.worker.generate(GenerateRequest.from_dict(request)):
             yield event.to_dict()
 
-    async def continue_from(
-        self, request: dict[str, Any], prefill: Any
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Decode: have `prefill` (an EngineActor) compute the prompt and send it here."""
-        task: asyncio.Future | None = None
-
-        async def run_prefill(address: tuple[str, int]) -> dict[str, Any]:
-            nonlocal task
-            task = asyncio.ensure_future(prefill.prefill.remote(request, list(address)))
-            return await task
-
-        try:
-            parsed = GenerateRequest.from_dict(request)
-            async for event in self.worker.continue_from(parsed, run_prefill):
-                yield event.to_dict()
-        finally:
-            if task is not None and not task.done():
-                # Our caller went away while prefill ran: stop it there too.
-                prefill.abort.remote(request["request_id"])
-                task.cancel()
+    async def expect(self, request_id: str) -> list[Any]:
+        return list(await self.worker.expect(request_id))
 
     async def prefill(self, request: dict[str, Any], decode_address: list[Any]) -> dict[str, Any]:
-        return await self.worker.prefill(GenerateRequest.from_dict(request), decode_address)
+        address = (str(decode_address[0]), int(decode_address[1]))
+        result = await self.worker.prefill(GenerateRequest.from_dict(request), address)
+        return result.to_dict()
 
-    def abort(self, request_id: str) -> bool:
-        return self.worker.abort(request_id)
+    async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
+        await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)
+
+    async def follow(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        async for event in self.worker.follow(request_id):
+            yield event.to_dict()
+
+    async def release(self, request_id: str) -> None:
+        await self.worker.release(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
 
     async def drain(self, timeout: float) -> int:
         return await self.worker.drain(timeout)

@@ -23,11 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError
 
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.coordinator import Coordinator
 from hybridserve.cluster.detokenizer import Detokenizer
+from hybridserve.cluster.handles import RayEngine, RayRouter
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.metrics import ServiceMetrics
 from hybridserve.cluster.openai_protocol import (
@@ -49,6 +49,7 @@ from hybridserve.cluster.openai_responses import (
     stream_chunk,
     usage_chunk,
 )
+from hybridserve.cluster.orchestrator import Orchestrator
 from hybridserve.cluster.stop_strings import StopStringMatcher
 from hybridserve.workers.models.loader import load_tokenizer
 
@@ -205,60 +206,15 @@ class OpenAIIngress:
     async def _run(
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
-        """TokenEvents of one request; aborts it everywhere if the consumer stops early."""
-        router, engines = topology["router"], topology["engines"]
-        # 1. route: which engine prefills (None: the decode engine itself) and which decodes
-        route = await router.route.remote(request.prompt_token_ids, request.cache_salt)
-        decode = engines[route["decode"]]
-        prefill_name = route["prefill"]
-        # 2. stream from the decode engine; with a prefill engine, it asks that one to
-        #    prefill and transfer, and streams the first token from its result
-        if prefill_name is None:
-            stream = decode.generate.options(num_returns="streaming").remote(request.to_dict())
-        else:
-            stream = decode.continue_from.options(num_returns="streaming").remote(
-                request.to_dict(), engines[prefill_name]
-            )
-        logger.info(
-            "request %s: %s -> %s (%s, expect %d cached)",
-            request.request_id,
-            prefill_name or "-",
-            route["decode"],
-            route["reason"],
-            route["expected_cached_tokens"],
-        )
-        # 3. release the engines' load as each is done; abort everywhere if cut short
-        finished = False
-        holding = [e for e in (prefill_name, route["decode"]) if e is not None]
-        try:
-            try:
-                async for ref in stream:
-                    event = TokenEvent.from_dict(await ref)
-                    if prefill_name in holding:
-                        holding.remove(prefill_name)
-                        router.release.remote(prefill_name)
-                    finished = event.finished
-                    yield event
-                    if finished:
-                        return
-            except RayActorError:
-                pass
-            # The stream broke or ended without a final event: the engine is gone.
-            await self.coordinator.mark_dead.remote(route["decode"])
-            self._topology = None
-            yield TokenEvent(
-                request.request_id,
-                0,
-                finish_reason="error",
-                error=f"engine {route['decode']} died while serving the request",
-            )
-        finally:
-            for engine in holding:
-                router.release.remote(engine)
-            if not finished:
-                decode.abort.remote(request.request_id)
-                if prefill_name is not None and prefill_name in engines:
-                    engines[prefill_name].abort.remote(request.request_id)
+        """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
+        engines = {name: RayEngine(name, h) for name, h in topology["engines"].items()}
+        orchestrator = Orchestrator(RayRouter(topology["router"]), engines, self._engine_died)
+        async for event in orchestrator.run(request):
+            yield event
+
+    async def _engine_died(self, name: str) -> None:
+        await self.coordinator.mark_dead.remote(name)
+        self._topology = None  # routed afresh from now on
 
     async def _texts(
         self, events: AsyncIterator[TokenEvent], body: Any, stats: dict[str, Any]

@@ -7,12 +7,14 @@ A plain class (tested without Ray); `cluster/actors.py` wraps it in a Ray actor.
                       requests to the sender of their decode peer
     sender threads    (prefill) one per decode peer: TransferSender.send, blocking
     receiver thread   (decode) TransferReceiver: lands transfers, under the same lock
-    event loop        the caller's asyncio loop: generate() / prefill() coroutines
+    event loop        the caller's asyncio loop: the request coroutines below
 
 Roles: `prefill` computes a prompt and its first token and ships the request to the decode
-engine the caller named; `decode` continues received requests, or runs a whole request
-itself (conditional disaggregation, or a recompute when a transfer failed); `colocated`
-runs everything.
+engine the caller named (`prefill`); `decode` opens the stream of a request it is about to
+receive (`expect`), streams it (`follow`), recovers it after a failed transfer (`recover`),
+or runs a whole request itself (`generate`: conditional disaggregation); `colocated` runs
+everything. cluster/orchestrator.py puts these steps together for one request. Every rank of
+a disaggregated engine moves its own shards of each transfer (shard links).
 """
 
 from __future__ import annotations
@@ -208,57 +210,58 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
-    async def continue_from(
-        self, request: GenerateRequest, prefill: Callable[[tuple[str, int]], Any]
-    ) -> AsyncIterator[TokenEvent]:
-        """Decode role: `prefill(address)` has a prefill engine compute the prompt and send it
-        here; stream the first token from its result, then the rest from this engine. If the
-        transfer never landed, recompute here (same id and seed: same tokens)."""
-        assert self.address is not None, "continue_from needs role=decode"
-        stream = self._open(request.request_id)
-        try:
-            result = PrefillResult.from_dict(await prefill(self.address))
-            if result.status == "error":
-                yield TokenEvent(request.request_id, 0, finish_reason="error", error=result.detail)
-                return
-            if result.first is not None:
-                yield result.first
-                if result.first.finished:
-                    return
-            if result.status == "transfer_failed":
-                logger.warning(
-                    "request %s: transfer from prefill failed (%s); recomputing on %s",
-                    request.request_id,
-                    result.detail,
-                    self.name,
-                )
-                self._count_failure("recomputed")
-                with self.lock:
-                    known = self.engine.has_request(request.request_id)
-                if not known:
-                    self._add(request)
-            delivered = result.first.offset + len(result.first.token_ids) if result.first else 0
-            async for event in self._drain(stream):
-                # The engine here reports every output token, the received first one included
-                # (and a recompute regenerates it): pass on only what is new.
-                skip = max(0, delivered - event.offset)
-                tokens = event.token_ids[skip:]
-                if tokens or event.finished:
-                    yield TokenEvent(
-                        event.request_id,
-                        event.offset + skip,
-                        tokens,
-                        event.finish_reason,
-                        result.first.num_cached_tokens if result.first else event.num_cached_tokens,
-                        event.error,
-                    )
-                delivered = max(delivered, event.offset + len(event.token_ids))
-        finally:
-            self._close(request.request_id)
+    async def expect(self, request_id: str) -> tuple[str, int]:
+        """Decode role: open the stream of a request a prefill engine is about to send here;
+        returns where to send it. Its first token is delivered by the prefill side (with
+        the prefill result), so this stream starts after it."""
+        assert self.address is not None, "expect needs role=decode"
+        self._open(request_id).num_sent = 1
+        return self.address
 
-    async def prefill(self, request: GenerateRequest, decode_address: list | tuple) -> dict:
+    async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
+        """Decode role: the transfer of an expected request failed on the prefill side (or
+        the prefill engine died). The engine's failure policy decides: recompute here, or
+        end the request with an error. `delivered`: output tokens the caller already has."""
+        stream = self._expected_stream(request.request_id)
+        stream.num_sent = delivered
+        self._count_failure("transfer_failed")
+        with self.lock:
+            self.engine.recover_lost_transfer(
+                request.prompt_token_ids,
+                request.params,
+                request_id=request.request_id,
+                reason=reason,
+                cache_salt=request.cache_salt,
+                stable_prompt_len=request.stable_prompt_len,
+            )
+        self._wake.set()
+
+    async def follow(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        """Decode role: the rest of an expected request's tokens, as the engine produces
+        them (queued from `expect` on: none is missed)."""
+        stream = self._expected_stream(request_id)
+        try:
+            async for event in self._drain(stream):
+                yield event
+        finally:
+            self._close(request_id)
+
+    async def release(self, request_id: str) -> None:
+        """The caller will not follow an expected request (it ended with its first token, or
+        its prefill failed outright)."""
+        self._close(request_id)
+
+    def _expected_stream(self, request_id: str) -> _Stream:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise ValueError(f"request {request_id!r} is not expected on {self.name}")
+        return stream
+
+    async def prefill(
+        self, request: GenerateRequest, decode_address: tuple[str, int]
+    ) -> PrefillResult:
         """Prefill role: compute the prompt and first token, ship the request to
-        `decode_address`, and return a PrefillResult (as a dict)."""
+        `decode_address`, and say how that went."""
         stream = self._open(request.request_id)
         stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
         stream.prefill_done = stream.loop.create_future()
@@ -266,12 +269,12 @@ class EngineWorker:
             try:
                 self._add(request)
             except ValueError as exc:
-                return PrefillResult(request.request_id, "error", detail=str(exc)).to_dict()
+                return PrefillResult(request.request_id, "error", detail=str(exc))
             first = await stream.queue.get()
             if first.finished:  # ended by its first token, or refused
-                return PrefillResult(request.request_id, "finished", first=first).to_dict()
+                return PrefillResult(request.request_id, "finished", first=first)
             result = await stream.prefill_done
-            return dataclasses.replace(result, first=first).to_dict()
+            return dataclasses.replace(result, first=first)
         finally:
             self._close(request.request_id)  # also when cancelled: aborts it here
 
@@ -281,8 +284,11 @@ class EngineWorker:
             self.engine.clear_cache()
         self._flush_cache_events()
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is here; True if it was known."""
+        return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
         with self.lock:
             output = self.engine.abort(request_id)
         stream = self._streams.get(request_id)
@@ -333,7 +339,7 @@ class EngineWorker:
         """The caller is done (finished, cancelled or failed): nothing may stay behind."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.ended:
-            self.abort(request_id)
+            self._abort(request_id)
 
     def _busy(self) -> bool:
         """Requests or transfers in flight (call under the lock)."""

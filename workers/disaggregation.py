@@ -286,16 +286,24 @@ class DecodeReceives:
         delay = 0.0 if writer_done else self.quarantine_seconds
         self.quarantined.append(Quarantine(owner, time.monotonic() + delay))
         self.sweep()
-        request = receiving.request
+        self.settle(receiving.request, reason)
+        return receiving.request
+
+    def settle(self, request: Request, reason: str) -> None:
+        """The one decision for a request whose transfer failed, wherever the failure was
+        seen (here while receiving, or by the prefill side before anything reached this
+        engine): `transfer_failure_policy` recomputes it here or ends it with an error."""
         logger.warning(
-            "request %s: transfer failed (%s); policy %s", request_id, reason, self.failure_policy
+            "request %s: transfer failed (%s); policy %s",
+            request.request_id,
+            reason,
+            self.failure_policy,
         )
         self.scheduler.fail_receiving(
             request,
             recompute=self.failure_policy == "recompute",
             error=f"KV transfer failed: {reason}",
         )
-        return request
 
     def sweep(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

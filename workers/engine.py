@@ -400,6 +400,39 @@ class Engine:
         self._ended.append(request.to_output())
         return request.to_output()
 
+    def recover_lost_transfer(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        reason: str,
+        cache_salt: str | None = None,
+        stable_prompt_len: int | None = None,
+    ) -> None:
+        """Decode role: the transfer of `request_id` failed before this engine admitted it
+        (the prefill side saw the failure, or the prefill engine died). The same policy as a
+        receive that fails here decides (`DecodeReceives.settle`): recompute the request here
+        (same id and seed: same tokens), or end it with an error (delivered by the next
+        step). Nothing happens if the request reached this engine: its own failure handling,
+        or its decoding, has it."""
+        assert self.receives is not None, "recover_lost_transfer needs role=decode"
+        if request_id in self._requests:
+            return
+        self.add_request(
+            prompt,
+            params,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            stable_prompt_len=stable_prompt_len,
+        )
+        request = self._requests[request_id]
+        self.scheduler.waiting.remove(request)  # settle decides where it goes
+        self.receives.settle(request, reason)
+        if request.is_finished:
+            del self._requests[request_id]
+            self._ended.append(request.to_output())
+
     def _sweep_transfers(self) -> None:
         if self.handoffs is not None:
             for request_id in self.handoffs.expire():

@@ -257,9 +257,9 @@ class Scheduler:
         self.running.append(request)
 
     def fail_receiving(self, request: Request, *, recompute: bool, error: str) -> None:
-        """The transfer failed (its pages already went to a quarantine): recompute the request
-        here from scratch, or end it with `error`."""
-        del self.transferring[request.request_id]
+        """The transfer failed (its pages, if it had any here, went to a quarantine): recompute
+        the request here from scratch, or end it with `error`."""
+        self.transferring.pop(request.request_id, None)
         if recompute:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0

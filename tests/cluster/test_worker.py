@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.messages import GenerateRequest, TokenEvent
+from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
 
@@ -84,21 +85,60 @@ def test_colocated_generate_equals_offline():
         colocated.shutdown()
 
 
+class FixedRoute:
+    """A router that always picks the same pair (the orchestrator's other input)."""
+
+    def __init__(self, prefill: str | None, decode: str) -> None:
+        self.choice = {"prefill": prefill, "decode": decode}
+        self.held: list[str] = []
+
+    async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+        self.held += [n for n in self.choice.values() if n is not None]
+        return self.choice | {"reason": "test", "expected_cached_tokens": 0}
+
+    async def release(self, engine: str) -> None:
+        self.held.remove(engine)
+
+
+class Unreachable:
+    """The decode engine, but giving the prefill engine an address nobody listens on."""
+
+    def __init__(self, decode: EngineWorker) -> None:
+        self.decode = decode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decode, name)
+
+    async def expect(self, request_id: str) -> tuple[str, int]:
+        await self.decode.expect(request_id)
+        return ("127.0.0.1", 1)
+
+
+class DiesOnPrefill:
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a dead engine got {name}")
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
+        raise EngineDied("prefill")
+
+
+def orchestrate(engines: dict[str, Any], req: GenerateRequest, dead: list[str] | None = None):
+    router = FixedRoute("prefill" if "prefill" in engines else None, "decode")
+
+    async def died(name: str) -> None:
+        (dead if dead is not None else []).append(name)
+
+    events = asyncio.run(collect(Orchestrator(router, engines, died).run(req)))
+    assert router.held == []  # every engine's load was released
+    return events
+
+
 def test_prefill_hands_over_to_decode_with_the_same_tokens(pair):
+    """Each token exactly once (tokens_of checks the offsets): the first from the prefill
+    result, the rest from the decode engine."""
     prefill, decode = pair
-
-    async def run(req: GenerateRequest) -> tuple[list[TokenEvent], list[dict]]:
-        results = []
-
-        async def via_prefill(address: tuple[str, int]) -> dict:
-            results.append(await prefill.prefill(req, address))
-            return results[-1]
-
-        return await collect(decode.continue_from(req, via_prefill)), results
-
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
-        events, (result,) = asyncio.run(run(request(**sampling)))
-        assert PrefillResult.from_dict(result).status == "handed_off"
+        events = orchestrate({"prefill": prefill, "decode": decode}, request(**sampling))
         assert tokens_of(events) == offline(**sampling)
     assert prefill.transfer_stats["bytes"] > 0
     assert_idle_at_baseline(prefill, decode)
@@ -106,27 +146,44 @@ def test_prefill_hands_over_to_decode_with_the_same_tokens(pair):
 
 def test_a_transfer_that_never_lands_is_recomputed_on_decode(pair):
     prefill, decode = pair
-    req = request()
-
-    async def unreachable(address: tuple[str, int]) -> dict:
-        # A prefill engine told to send to a port nobody listens on.
-        return await prefill.prefill(req, ("127.0.0.1", 1))
-
-    events = asyncio.run(collect(decode.continue_from(req, unreachable)))
+    events = orchestrate({"prefill": prefill, "decode": Unreachable(decode)}, request())
     assert tokens_of(events) == offline()
-    assert decode.transfer_failures == {"recomputed": 1}
+    assert decode.transfer_failures == {"transfer_failed": 1}
     assert prefill.transfer_failures == {"failed": 1}
     assert_idle_at_baseline(prefill, decode)
+
+
+def test_the_decode_engine_s_policy_fail_ends_a_failed_transfer_with_an_error(pair):
+    prefill = pair[0]
+    decode = EngineWorker(
+        "strict",
+        EngineConfig(**ENGINE, role="decode", transfer_failure_policy="fail"),
+        transfer_timeout=5.0,
+    )
+    try:
+        events = orchestrate({"prefill": prefill, "decode": Unreachable(decode)}, request())
+        assert events[-1].finish_reason == "error" and "KV transfer failed" in events[-1].error
+        assert tokens_of(events) == offline()[:1]  # the first token, from prefill
+        assert_idle_at_baseline(prefill, decode)
+    finally:
+        decode.shutdown()
+
+
+def test_a_dead_prefill_engine_is_reported_and_decode_recomputes(pair):
+    """The prefill engine's death fails only its transfer: the decode engine (healthy) runs
+    the request itself, and only the prefill engine is reported dead."""
+    decode = pair[1]
+    dead: list[str] = []
+    events = orchestrate({"prefill": DiesOnPrefill(), "decode": decode}, request(), dead)
+    assert tokens_of(events) == offline()
+    assert dead == ["prefill"]
+    assert_idle_at_baseline(decode)
 
 
 def test_an_invalid_request_is_an_error_event_not_a_crash(pair):
     prefill, decode = pair
     bad = request(prompt=[*PROMPT, 10_000])  # outside the vocabulary
-
-    async def via_prefill(address: tuple[str, int]) -> dict:
-        return await prefill.prefill(bad, address)
-
-    (event,) = asyncio.run(collect(decode.continue_from(bad, via_prefill)))
+    (event,) = orchestrate({"prefill": prefill, "decode": decode}, bad)
     assert event.finish_reason == "error" and "outside the vocabulary" in event.error
     assert_idle_at_baseline(prefill, decode)
 

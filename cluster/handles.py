@@ -1,0 +1,69 @@
+"""The orchestrator's clients over Ray actor handles: `RayEngine` (an EngineActor) and
+`RayRouter` (the RouterActor). Only plain dicts cross the actor calls (cluster/messages.py).
+A call or stream that fails because the actor is gone raises EngineDied with its name."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.orchestrator import EngineDied
+
+
+class RayEngine:
+    def __init__(self, name: str, handle: Any) -> None:
+        self.name = name
+        self.handle = handle
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except RayActorError as exc:
+            raise EngineDied(self.name) from exc
+
+    async def _stream(self, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
+        stream = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+        try:
+            async for ref in stream:
+                yield TokenEvent.from_dict(await ref)
+        except RayActorError as exc:
+            raise EngineDied(self.name) from exc
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        return self._stream("generate", request.to_dict())
+
+    async def expect(self, request_id: str) -> tuple[str, int]:
+        host, port = await self._call("expect", request_id)
+        return str(host), int(port)
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> PrefillResult:
+        return PrefillResult.from_dict(
+            await self._call("prefill", request.to_dict(), list(address))
+        )
+
+    async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
+        await self._call("recover", request.to_dict(), delivered, reason)
+
+    def follow(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        return self._stream("follow", request_id)
+
+    async def release(self, request_id: str) -> None:
+        await self._call("release", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        # NOTE: not awaited: it runs while the request's caller is being torn down.
+        self.handle.abort.remote(request_id)
+
+
+class RayRouter:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+        return await self.handle.route.remote(token_ids, cache_salt)
+
+    async def release(self, engine: str) -> None:
+        self.handle.release.remote(engine)  # fire and forget, in order on the actor

@@ -1,0 +1,175 @@
+"""One request through the service, step by step: route -> prefill -> transfer -> decode ->
+stream. The ingress runs it for every request; engines are reached through `EngineClient`
+(Ray actor handles in the service, `EngineWorker`s directly in tests).
+
+    1. route     the router picks the decode engine, and a prefill engine unless the decode
+                 engine should run the whole request (colocated engines, or a short new part
+                 of a conversation it holds)
+    2. expect    the decode engine opens the request's stream and says where to send it
+    3. prefill   the prefill engine computes the prompt and the first token and ships the
+                 state to that address; the first token streams at once
+    4. decode    the decode engine continues from the transferred state; if the transfer
+                 failed (seen by either side, or the prefill engine died), the decode
+                 engine's `transfer_failure_policy` decides, in one place (the engine):
+                 recompute there, or end the request with an error
+    5. stream    the decode engine's tokens, after the first one (no token travels twice)
+
+A prefill engine that dies only fails its transfer (the decode engine recomputes); a decode
+engine that dies ends the request with an error event. Either is reported as dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDied(RuntimeError):
+    """An engine stopped answering (its actor died) while serving a request."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"engine {name} died while serving the request")
+        self.name = name
+
+
+class EngineClient(Protocol):
+    """An engine as the orchestrator drives it. Raises EngineDied if the engine is gone."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
+
+    async def expect(self, request_id: str) -> tuple[str, int]: ...
+
+    async def prefill(
+        self, request: GenerateRequest, address: tuple[str, int]
+    ) -> PrefillResult: ...
+
+    async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None: ...
+
+    def follow(self, request_id: str) -> AsyncIterator[TokenEvent]: ...
+
+    async def release(self, request_id: str) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class RouterClient(Protocol):
+    async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]: ...
+
+    async def release(self, engine: str) -> None: ...
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        router: RouterClient,
+        engines: dict[str, EngineClient],
+        on_engine_dead: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.router = router
+        self.engines = engines
+        self.on_engine_dead = on_engine_dead
+
+    async def run(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """The request's TokenEvents, ending with one that carries a finish reason. If the
+        consumer stops early, the request is aborted on every engine that holds it."""
+        request_id = request.request_id
+        # 1. route
+        route = await self.router.route(request.prompt_token_ids, request.cache_salt)
+        decode_name, prefill_name = route["decode"], route["prefill"]
+        logger.info(
+            "request %s: %s -> %s (%s, expect %d cached)",
+            request_id,
+            prefill_name or "-",
+            decode_name,
+            route["reason"],
+            route["expected_cached_tokens"],
+        )
+        decode = self.engines[decode_name]
+        holding = [e for e in (prefill_name, decode_name) if e is not None]
+        finished = False
+        try:
+            if prefill_name is None:
+                events = decode.generate(request)
+            else:
+                first, events = await self._prefill_and_transfer(request, prefill_name, decode_name)
+                holding.remove(prefill_name)
+                await self.router.release(prefill_name)
+                if first is not None:
+                    finished = first.finished
+                    yield first
+                if events is None:
+                    return
+            # 5. stream
+            async for event in events:
+                finished = event.finished
+                yield event
+                if finished:
+                    return
+            raise EngineDied(decode_name)  # the stream ended without a final event
+        except EngineDied as dead:
+            await self.on_engine_dead(dead.name)
+            finished = True
+            yield TokenEvent(request_id, 0, finish_reason="error", error=str(dead))
+        finally:
+            for name in holding:
+                await self.router.release(name)
+            if not finished:
+                await self._abort_everywhere(request_id, prefill_name, decode_name)
+
+    async def _prefill_and_transfer(
+        self, request: GenerateRequest, prefill_name: str, decode_name: str
+    ) -> tuple[TokenEvent | None, AsyncIterator[TokenEvent] | None]:
+        """Steps 2-4: (the first token's event, the rest of the stream or None when the
+        request ended with its first token or failed)."""
+        request_id = request.request_id
+        decode = self.engines[decode_name]
+        # 2. expect: the stream is open before anything can arrive
+        address = await decode.expect(request_id)
+        # 3. prefill (and the transfer it starts)
+        try:
+            result = await self.engines[prefill_name].prefill(request, address)
+        except EngineDied as dead:
+            await self.on_engine_dead(dead.name)
+            result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
+        if result.status == "error":
+            await decode.release(request_id)
+            return TokenEvent(request_id, 0, finish_reason="error", error=result.detail), None
+        first = result.first
+        if first is not None and first.finished:
+            await decode.release(request_id)
+            return first, None
+        # 4. decode: from the transferred state, or per the decode engine's failure policy
+        if result.status == "transfer_failed":
+            logger.warning(
+                "request %s: transfer from %s failed (%s)", request_id, prefill_name, result.detail
+            )
+            delivered = len(first.token_ids) if first is not None else 0
+            await decode.recover(request, delivered, result.detail)
+        cached = first.num_cached_tokens if first is not None else None
+        return first, self._reported(decode.follow(request_id), cached)
+
+    @staticmethod
+    async def _reported(
+        events: AsyncIterator[TokenEvent], cached: int | None
+    ) -> AsyncIterator[TokenEvent]:
+        """Decode events, reporting the prefill engine's reuse as the request's cached
+        tokens (the decode engine received, or recomputed, what prefill reused)."""
+        async for event in events:
+            yield event if cached is None else dataclasses.replace(event, num_cached_tokens=cached)
+
+    async def _abort_everywhere(
+        self, request_id: str, prefill_name: str | None, decode_name: str
+    ) -> None:
+        for name in (decode_name, prefill_name):
+            engine = self.engines.get(name) if name is not None else None
+            if engine is not None:
+                # Gone already: nothing of the request is left there.
+                with contextlib.suppress(EngineDied):
+                    await engine.abort(request_id)
