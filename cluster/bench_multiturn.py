@@ -40,6 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from hybridserve.cluster.bench_launch import (
+    add_target_arguments,
+    check_target,
+    target,
+    topology_label,
+)
 from hybridserve.cluster.bench_multiturn_stats import (
     Conversation,
     RequestRecord,
@@ -53,8 +59,6 @@ from hybridserve.cluster.router import Policy
 logger = logging.getLogger(__name__)
 
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
-# Small pools for the tiny model: a few conversations of a few thousand tokens each.
-LAUNCH_ENGINE = {"max_model_len": 4096, "max_num_seqs": 16, "num_kv_blocks": 2048}
 
 
 # ---- driving the service --------------------------------------------------------------------
@@ -193,21 +197,6 @@ async def run_policy(
     return records, duration
 
 
-def launch_config(args: Any) -> dict[str, Any]:
-    from hybridserve.cluster.config import ServiceConfig
-
-    engine = LAUNCH_ENGINE | json.loads(args.engine_json or "{}")
-    config = {
-        "model": args.model,
-        "num_prefill": args.num_prefill,
-        "num_decode": args.num_decode,
-        "engine": engine,
-        "torch_threads": args.torch_threads,
-        "api_keys": [args.api_key] if args.api_key else [],
-    }
-    return ServiceConfig(**config).model_dump(mode="json")  # validated before Ray starts
-
-
 # ---- output ---------------------------------------------------------------------------------
 
 
@@ -281,26 +270,10 @@ def write_plots(results: dict[str, dict[str, Any]], plot_dir: Path) -> list[Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    target = parser.add_argument_group("target")
-    target.add_argument("--base-url", help="a running service, e.g. http://127.0.0.1:8000")
-    target.add_argument(
-        "--launch", action="store_true", help="start Ray and deploy the service here"
-    )
-    target.add_argument("--api-key", help="bearer key (also configured on --launch)")
-    target.add_argument("--served-model", help="model id to send (default: GET /v1/models)")
-    target.add_argument("--label", default="service", help="result name with --base-url")
-    target.add_argument("--topology", default="unknown", help="recorded with --base-url")
-
-    launch = parser.add_argument_group("--launch")
-    launch.add_argument("--model", default="tiny", help="checkpoint to serve (default: tiny)")
-    launch.add_argument("--num-prefill", type=int, default=2, help="(default: 2)")
-    launch.add_argument("--num-decode", type=int, default=2, help="(default: 2)")
-    launch.add_argument("--torch-threads", type=int, default=1, help="per engine (default: 1)")
-    launch.add_argument(
-        "--engine-json",
-        help=f"EngineConfig fields as JSON, over the defaults {json.dumps(LAUNCH_ENGINE)}",
-    )
-    launch.add_argument("--ray-num-cpus", type=int, default=4, help="local Ray (default: 4)")
+    add_target_arguments(parser)
+    parser.set_defaults(num_prefill=2, num_decode=2)
+    parser.add_argument("--label", default="service", help="result name with --base-url")
+    launch = parser.add_argument_group("multiturn with --launch")
     launch.add_argument(
         "--no-warmup",
         action="store_true",
@@ -340,8 +313,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: Any) -> list[str]:
-    if bool(args.base_url) == bool(args.launch):
-        raise ValueError("give exactly one of --base-url (a running service) or --launch")
+    check_target(args)
     for name in ("num_users", "num_turns", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -374,19 +346,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     results: dict[str, dict[str, Any]] = {}
-    if args.launch:
-        from hybridserve.cluster import local
-
-        config = launch_config(args)
-        # xPyD as in vLLM's disaggregation docs; "yC" for y colocated engines.
-        topology = (
-            f"{args.num_prefill}P{args.num_decode}D" if args.num_prefill else f"{args.num_decode}C"
-        )
-        print(f"launching the service ({topology}) ...", file=sys.stderr)
-        local.connect_ray(num_cpus=args.ray_num_cpus)
-        try:
-            base_url = local.deploy(config, port=local.free_port())
-            coordinator = local.coordinator()
+    with target(args) as service:
+        coordinator, base_url = service.coordinator, service.base_url
+        if coordinator is not None:
             if not args.no_warmup:
                 # Round-robin touches every engine: max(P, D) requests cover all pairs.
                 coordinator.set_policy.remote("round-robin").result()
@@ -397,16 +359,15 @@ def run(args: argparse.Namespace) -> int:
                 coordinator.clear_caches.remote().result()  # returns once the index is empty
                 records, duration = asyncio.run(run_policy(base_url, workload, args, policy))
                 results[policy] = summarize(records, oracle_tokens(records), duration, percentiles)
-        finally:
-            local.shutdown()
-    else:
-        config, topology, base_url = None, args.topology, args.base_url.rstrip("/")
-        try:
-            records, duration = asyncio.run(run_policy(base_url, workload, args, args.label))
-        except RuntimeError as exc:
-            print(f"bench multiturn: error: {exc}", file=sys.stderr)
-            return 2
-        results[args.label] = summarize(records, oracle_tokens(records), duration, percentiles)
+        else:
+            try:
+                records, duration = asyncio.run(run_policy(base_url, workload, args, args.label))
+            except RuntimeError as exc:
+                print(f"bench multiturn: error: {exc}", file=sys.stderr)
+                return 2
+            results[args.label] = summarize(records, oracle_tokens(records), duration, percentiles)
+        engines = service.engines()
+        config = service.config
 
     print(format_table(results))
     output = Path(args.output)
@@ -415,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "multiturn_online",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_sha": _git_sha(),
-        "topology": topology,
+        "topology": topology_label(args),
+        "engines": engines,
         "base_url": None if args.launch else base_url,
         "service_config": config,
         "config": _plain_args(args),

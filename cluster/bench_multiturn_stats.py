@@ -145,7 +145,7 @@ def oracle_tokens(records: list[RequestRecord]) -> list[int]:
     return oracle
 
 
-def _stats_ms(name: str, values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
+def latency_stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
     ms = np.asarray(values, dtype=float) * 1e3 if values else np.zeros(1)
     out = {
         f"mean_{name}_ms": float(ms.mean()),
@@ -190,7 +190,7 @@ def summarize(
         "total_token_throughput": (total_input + total_output) / duration,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        summary |= _stats_ms(name, values, percentiles)
+        summary |= latency_stats(name, values, percentiles)
     summary |= {
         "cached_tokens": cached,
         "oracle_tokens": oracle_sum,

@@ -167,11 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
         "service (or one it launches); TTFT and reused tokens per routing policy, against "
         "what an ideal cache could reuse.",
     )
-    from hybridserve.cluster import bench_multiturn
+    from hybridserve.cluster import bench_multiturn, bench_serve
 
     bench_multiturn.add_arguments(multiturn)
     _add_common(multiturn)
     multiturn.set_defaults(handler=lambda args, parser: bench_multiturn.run(args))
+    serve_bench = benchmarks.add_parser(
+        "serve",
+        formatter_class=formatter,
+        help="request throughput and latency, as `vllm bench serve` measures them",
+        description="Random or shared-prefix prompts at a request rate (or all at once) "
+        "against the service, or one it launches with a topology; vLLM bench serve's keys.",
+    )
+    bench_serve.add_arguments(serve_bench)
+    _add_common(serve_bench)
+    serve_bench.set_defaults(handler=lambda args, parser: bench_serve.run(args))
 
     export = commands.add_parser(
         "export-tiny",

@@ -1,0 +1,208 @@
+"""`hybridserve bench serve`: its dataset, its vLLM-keyed summary, its topology record, and the
+command run as users launch it: `ray job submit -- hybridserve bench serve --launch ...` on a
+`ray start --head` cluster of its own (exit 0), and a job whose requests fail (exit non-zero)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cluster import bench_launch, bench_serve
+from hybridserve.cluster.cli import build_parser
+from hybridserve.cluster.local import free_port
+
+BIN = Path(sys.executable).parent
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["bench", "serve", *argv])
+
+
+def test_the_random_dataset_has_the_lengths_asked_for_and_a_shared_prefix():
+    args = parse(
+        "--launch",
+        "--num-prompts",
+        "50",
+        "--random-input-len",
+        "100",
+        "--random-output-len",
+        "20",
+        "--random-range-ratio",
+        "0.5",
+        "--random-prefix-len",
+        "16",
+    )
+    prompts = bench_serve.make_dataset(args, vocab_size=300)
+    assert len(prompts) == 50
+    assert all(16 + 50 <= len(p.token_ids) <= 16 + 150 for p in prompts)
+    assert all(10 <= p.output_len <= 30 for p in prompts)
+    assert len({tuple(p.token_ids[:16]) for p in prompts}) == 1
+    assert all(0 <= t < 300 for p in prompts for t in p.token_ids)
+    assert prompts == bench_serve.make_dataset(args, vocab_size=300)  # seeded
+
+
+def test_shared_prefix_prompts_cycle_over_their_prefixes():
+    args = parse(
+        "--launch",
+        "--dataset-name",
+        "shared-prefix",
+        "--num-prompts",
+        "6",
+        "--shared-prefix-num-prefixes",
+        "3",
+        "--shared-prefix-len",
+        "40",
+        "--shared-prefix-suffix-len",
+        "8",
+    )
+    prompts = bench_serve.make_dataset(args, vocab_size=256)
+    assert [len(p.token_ids) for p in prompts] == [48] * 6
+    prefixes = [tuple(p.token_ids[:40]) for p in prompts]
+    assert prefixes[:3] == prefixes[3:] and len(set(prefixes)) == 3
+
+
+def test_the_summary_has_vllm_bench_serve_keys_and_counts_failures():
+    records = [
+        bench_serve.Record(10, 0.0, 0.1, [0.02, 0.03], 0.15, 3),
+        bench_serve.Record(12, 0.0, 0.2, [0.05], 0.25, 2),
+        bench_serve.Record(9, error="APIConnectionError: refused"),
+    ]
+    summary = bench_serve.summarize(records, 2.0, [50.0, 99.0])
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert (summary["total_input_tokens"], summary["total_output_tokens"]) == (22, 5)
+    assert summary["request_throughput"] == 1.0 and summary["output_throughput"] == 2.5
+    assert math.isclose(summary["mean_ttft_ms"], 150.0)
+    assert math.isclose(summary["median_tpot_ms"], (25.0 + 50.0) / 2)
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert f"{stat}_{name}_ms" in summary
+    assert summary["errors"] == ["", "", "APIConnectionError: refused"]
+
+
+def test_the_topology_and_the_launched_service_config():
+    topology = ("--num-prefill", "2", "--num-decode", "1", "--prefill-tp", "2", "--decode-tp", "4")
+    args = parse("--launch", *topology, "--rank-resources-json", '{"GPU": 1}')
+    assert bench_launch.topology_label(args) == "2P(TP2)1D(TP4)"
+    config = bench_launch.launch_config(args)
+    assert config["prefill_engine"] == {"tensor_parallel_size": 2}
+    assert config["decode_engine"] == {"tensor_parallel_size": 4}
+    assert config["rank_resources"] == {"GPU": 1}
+    with_ep = parse("--launch", *topology, "--enable-expert-parallel")
+    assert bench_launch.topology_label(with_ep) == "2P(TP2+EP)1D(TP4+EP)"
+    # Validated before Ray starts: the tiny model has no experts to partition.
+    with pytest.raises(ValueError, match="the model has no MoE layers"):
+        bench_launch.launch_config(with_ep)
+    colocated = parse("--launch", "--num-prefill", "0", "--num-decode", "3", "--decode-tp", "2")
+    assert bench_launch.topology_label(colocated) == "3C(TP2)"
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """A Ray cluster of its own (`ray start --head`), as a user would have; its job address."""
+    dashboard = free_port()
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={free_port()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=6",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its processes form one group: stopped together below
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{address}/api/version", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the Ray head never came up"
+                time.sleep(1)
+        yield address
+    finally:
+        # NOTE: not `ray stop`: that stops every Ray process here, the test session's too.
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def submit(address: str, *command: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    return subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_ray_job_launches_a_tensor_parallel_topology_and_benchmarks_it(ray_head, tmp_path):
+    output = tmp_path / "serve.json"
+    job = submit(
+        ray_head,
+        "hybridserve",
+        "bench",
+        "serve",
+        "--launch",
+        "--prefill-tp",
+        "2",
+        "--rank-resources-json",
+        '{"CPU": 0.5}',
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "48",
+        "--random-output-len",
+        "6",
+        "--output",
+        str(output),
+    )
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    result = json.loads(output.read_text())
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["total_output_tokens"] == 36
+    assert result["topology"] == "1P(TP2)1D(TP1)"
+    assert result["engines"]["prefill-0"]["tensor_parallel_size"] == 2
+    assert result["engines"]["prefill-0"]["resources"] == {
+        "ranks": 2,
+        "bundle": {"CPU": 0.5},
+        "placement_strategy": "STRICT_PACK",
+    }
+
+
+def test_a_ray_job_whose_requests_fail_exits_non_zero(ray_head, tmp_path):
+    job = submit(
+        ray_head,
+        "hybridserve",
+        "bench",
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:1",  # nothing listens there
+        "--num-prompts",
+        "2",
+        "--output",
+        str(tmp_path / "failed.json"),
+    )
+    assert job.returncode != 0
+    assert "failed" in job.stdout + job.stderr
