@@ -28,6 +28,14 @@ fails the run instead of reporting a figure. Without nixl the NIXL column says s
 skipped. Pools and the memcpy buffers come from the engine's allocator
 (`workers.pool_memory.zeroed_pool`: 2 MiB aligned, on transparent huge pages where the kernel
 allows), so the ceiling and the backends copy the same kind of memory.
+
+`--tp 2` (a second table): prefill TP 2 -> decode TP 1, as engines of different TP sizes move
+state. Each region is (16 runs of layers x K|V, 2 KV heads, rows), sharded by head: two sender
+processes (prefill ranks 0 and 1) each hold one head of every region and send it to this
+process at once, rank 0 over the transfer link and rank 1 over its shard link; each region
+arrives as 16 strided pieces from each rank (`tp_mapping.region_pieces`). The bytes per rank
+pair, GB/s against memcpy of the same total, and the verification (every region equal to the
+unsharded source) are reported per size.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -51,6 +60,7 @@ from hybridserve.transceiver.base import Pools, RegionCopy, region_copies
 from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.protocol import ReceivePlan, TransferDone
 from hybridserve.transceiver.registry import create_backend
+from hybridserve.transceiver.tp_mapping import RegionShape, plan, region_pieces
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.pool_memory import zeroed_pool
 
@@ -62,6 +72,8 @@ _BLOB_LENGTH = struct.Struct(">Q")
 _PATTERN = 0x5851F42D4C957F2D
 # Fractions of memcpy each backend should reach at >= 256 MiB (reported, not asserted).
 TARGETS = {"nixl": 0.50, "tcp": 0.25}
+# The TP case's region: 16 runs (layers x K|V) of 2 heads, sharded by head.
+TP_RUNS, TP_HEADS = 16, 2
 
 
 # --- pools and checksums ---------------------------------------------------------------------
@@ -79,6 +91,28 @@ def fill_pattern(pool: torch.Tensor, seed: int) -> None:
 def region_sums(pool: torch.Tensor, indices: list[int]) -> list[int]:
     """One int64 sum per region (wrapping): tells regions apart and catches missing bytes."""
     return [int(pool[i].view(torch.int64).sum()) for i in indices]
+
+
+def _tp_shapes(region_bytes: int, tp: int) -> tuple[RegionShape, RegionShape]:
+    """(a TP-`tp` rank's region, the unsharded region) of the TP case's layout."""
+    row = region_bytes // (TP_RUNS * TP_HEADS)
+    return RegionShape(TP_RUNS, TP_HEADS // tp, row), RegionShape(TP_RUNS, TP_HEADS, row)
+
+
+def head_shard(pool: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s heads of every region (a new pool, laid out as that rank's)."""
+    heads = TP_HEADS // tp
+    shaped = pool.view(len(pool), TP_RUNS, TP_HEADS, -1)[:, :, rank * heads : (rank + 1) * heads]
+    shard = zeroed_pool((len(pool), pool.shape[1] // tp), torch.uint8, CPU)
+    shard.view(len(pool), TP_RUNS, heads, -1).copy_(shaped)
+    return shard
+
+
+def rank_pieces(region_bytes: int, tp: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+    """Byte pieces from TP-`tp` rank `rank`'s region into the unsharded (TP 1) region."""
+    src, dst = _tp_shapes(region_bytes, tp)
+    fragments = [f for f in plan((TP_HEADS,), tp, 1) if f.src_rank == rank]
+    return tuple(region_pieces(fragments, (TP_HEADS,), src, dst, tp, 1))
 
 
 # --- control: raw length-prefixed blobs for the handshake ------------------------------------
@@ -105,13 +139,18 @@ def serve_sender(args: argparse.Namespace) -> None:
     the receiver closes the link."""
     pool = zeroed_pool((args.num_regions, args.region_bytes), torch.uint8, CPU)
     fill_pattern(pool, args.seed)
+    sums = region_sums(pool, list(range(len(pool))))  # of the unsharded regions
+    pieces: tuple[tuple[int, int, int], ...] = ()
+    if args.tp > 1:  # keep this rank's head of every region, and send it as pieces
+        pool = head_shard(pool, args.tp, args.tp_rank)
+        pieces = rank_pieces(args.region_bytes, args.tp, args.tp_rank)
     backend = create_backend(args.serve_sender, Pools(pool, None, None), args.streams)
     channel = Channel.connect(("127.0.0.1", args.port), TIMEOUT_S)
     try:
         send_blob(
             channel,
             msgpack.packb(
-                {"info": backend.local_info(), "sums": region_sums(pool, list(range(len(pool))))},
+                {"info": backend.local_info(), "sums": sums},
                 use_bin_type=True,
             ),
         )
@@ -125,7 +164,13 @@ def serve_sender(args: argparse.Namespace) -> None:
                 raise
             assert isinstance(plan, ReceivePlan), plan
             # Source region i goes to the plan's i-th destination (the engine's path).
-            copies = region_copies(backend.pools, list(range(len(plan.dst_block_ids))), -1, plan)
+            copies = region_copies(
+                backend.pools,
+                list(range(len(plan.dst_block_ids))),
+                -1,
+                plan,
+                {"kv": pieces} if pieces else None,
+            )
             backend.send(channel, peer, plan.request_id, copies, TIMEOUT_S)
             channel.send(TransferDone(plan.request_id))
     finally:
@@ -159,17 +204,17 @@ class Memcpy:
         return seconds
 
 
-class Receiver:
-    """This process's end: a destination pool registered once, a spawned sender process.
+class SenderLink:
+    """A spawned sender process (prefill rank `rank` of `tp`) and its link to this process.
 
     Construction spawns the sender; `connect` waits for it and swaps backend info (split so
     that several senders start in parallel). `close` works in either state."""
 
     def __init__(
-        self, backend: str, num_regions: int, region_bytes: int, seed: int, streams: int
-    ) -> None:
-        self.pool = zeroed_pool((num_regions, region_bytes), torch.uint8, CPU)  # pages touched
-        self.backend = create_backend(backend, Pools(self.pool, None, None), streams)
+        self, backend: str, num_regions: int, region_bytes: int, seed: int, streams: int,
+        tp: int, rank: int,
+    ) -> None:  # fmt: skip
+        self.backend_name = backend
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(0.2)
         self.process = subprocess.Popen(
@@ -188,13 +233,18 @@ class Receiver:
                 str(seed),
                 "--streams",
                 str(streams),
+                "--tp",
+                str(tp),
+                "--tp-rank",
+                str(rank),
             ],
             stdout=subprocess.DEVNULL,  # NIXL / UCX log lines; errors still reach stderr
         )
         self.channel: Channel | None = None
-        self.count = 0
+        self.peer = ""
+        self.src_sums: list[int] = []
 
-    def connect(self) -> None:
+    def connect(self, backend: Any) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while self.channel is None:
             try:
@@ -202,44 +252,18 @@ class Receiver:
             except TimeoutError:
                 if self.process.poll() is not None:
                     raise RuntimeError(
-                        f"the {self.backend.name} sender process exited with "
+                        f"the {self.backend_name} sender process exited with "
                         f"{self.process.returncode} before connecting"
                     ) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"the {self.backend.name} sender did not connect in {TIMEOUT_S} s"
+                        f"the {self.backend_name} sender did not connect in {TIMEOUT_S} s"
                     ) from None
         self.server.close()
         hello = msgpack.unpackb(receive_blob(self.channel), raw=False)
-        self.src_sums: list[int] = hello["sums"]
-        self.peer = self.backend.add_peer(hello["info"])
-        send_blob(self.channel, self.backend.local_info())
-
-    def transfer(self, dst_ids: list[int]) -> float:
-        """Move regions 0..n-1 of the sender's pool to `dst_ids`; returns seconds, verified."""
-        for dst in dst_ids:
-            self.pool[dst].zero_()  # a stale copy from the previous repeat cannot pass
-        self.count += 1
-        request_id = f"bench-{self.count}"
-        copies = [RegionCopy("kv", -1, dst) for dst in dst_ids]
-        channel = self.channel
-        assert channel is not None, "connect() first"
-        start = time.perf_counter()
-        channel.send(ReceivePlan(request_id, 0, dst_ids, -1))
-        self.backend.receive(channel, self.peer, request_id, copies, TIMEOUT_S)
-        done = channel.receive(TIMEOUT_S)
-        seconds = time.perf_counter() - start
-        if not isinstance(done, TransferDone) or done.request_id != request_id:
-            raise RuntimeError(f"expected TransferDone for {request_id}, got {done!r}")
-        got = region_sums(self.pool, dst_ids)
-        want = self.src_sums[: len(dst_ids)]
-        if got != want:
-            bad = sum(g != w for g, w in zip(got, want, strict=True))
-            raise RuntimeError(
-                f"{self.backend.name}: {bad} of {len(dst_ids)} regions arrived wrong: the "
-                "figure would be fake"
-            )
-        return seconds
+        self.src_sums = hello["sums"]
+        self.peer = backend.add_peer(hello["info"])
+        send_blob(self.channel, backend.local_info())
 
     def close(self) -> None:
         """Closing the link ends the sender; a sender that never connected is killed."""
@@ -249,13 +273,87 @@ class Receiver:
         else:
             self.process.kill()
         code = self.process.wait(timeout=60)
-        self.backend.close()
         if code != 0 and self.channel is not None:
-            raise RuntimeError(f"the {self.backend.name} sender process exited with {code}")
+            raise RuntimeError(f"the {self.backend_name} sender process exited with {code}")
+
+
+class Receiver:
+    """This process's end: a destination pool registered once, and one spawned sender per
+    prefill rank (one at TP 1; with `tp` > 1 each sends its head of every region, at once)."""
+
+    def __init__(
+        self, backend: str, num_regions: int, region_bytes: int, seed: int, streams: int,
+        tp: int = 1,
+    ) -> None:  # fmt: skip
+        self.pool = zeroed_pool((num_regions, region_bytes), torch.uint8, CPU)  # pages touched
+        self.backend = create_backend(backend, Pools(self.pool, None, None), streams)
+        self.tp = tp
+        self.pieces = [rank_pieces(region_bytes, tp, r) if tp > 1 else () for r in range(tp)]
+        self.links = [
+            SenderLink(backend, num_regions, region_bytes, seed, streams, tp, rank)
+            for rank in range(tp)
+        ]
+        self.count = 0
+
+    def connect(self) -> None:
+        for link in self.links:
+            link.connect(self.backend)
+
+    def _receive(self, link: SenderLink, request_id: str, copies: list[RegionCopy]) -> None:
+        assert link.channel is not None, "connect() first"
+        self.backend.receive(link.channel, link.peer, request_id, copies, TIMEOUT_S)
+        done = link.channel.receive(TIMEOUT_S)
+        if not isinstance(done, TransferDone) or done.request_id != request_id:
+            raise RuntimeError(f"expected TransferDone for {request_id}, got {done!r}")
+
+    def transfer(self, dst_ids: list[int]) -> float:
+        """Move regions 0..n-1 of the senders' pools to `dst_ids`; returns seconds, verified."""
+        for dst in dst_ids:
+            self.pool[dst].zero_()  # a stale copy from the previous repeat cannot pass
+        self.count += 1
+        request_id = f"bench-{self.count}"
+        copies = [[RegionCopy("kv", -1, dst, pieces) for dst in dst_ids] for pieces in self.pieces]
+        start = time.perf_counter()
+        for link in self.links:
+            assert link.channel is not None, "connect() first"
+            link.channel.send(ReceivePlan(request_id, 0, dst_ids, -1))
+        if len(self.links) == 1:
+            self._receive(self.links[0], request_id, copies[0])
+        else:  # every rank pair at once, as shard links move
+            with ThreadPoolExecutor(len(self.links)) as pool:
+                jobs = [
+                    pool.submit(self._receive, link, request_id, rank_copies)
+                    for link, rank_copies in zip(self.links, copies, strict=True)
+                ]
+                for job in jobs:
+                    job.result()
+        seconds = time.perf_counter() - start
+        got = region_sums(self.pool, dst_ids)
+        want = self.links[0].src_sums[: len(dst_ids)]  # of the unsharded regions
+        if got != want:
+            bad = sum(g != w for g, w in zip(got, want, strict=True))
+            raise RuntimeError(
+                f"{self.backend.name}: {bad} of {len(dst_ids)} regions arrived wrong: the "
+                "figure would be fake"
+            )
+        return seconds
+
+    def close(self) -> None:
+        try:
+            for link in self.links:
+                link.close()
+        finally:
+            self.backend.close()
 
 
 def measure(
-    backends: list[str], sizes: list[int], region_bytes: int, repeats: int, seed: int, streams: int
+    backends: list[str],
+    sizes: list[int],
+    region_bytes: int,
+    repeats: int,
+    seed: int,
+    streams: int,
+    tp: int = 1,
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds per repeat for memcpy and each backend. Every repeat runs memcpy then each
     backend back to back, so a load spike from elsewhere hits all columns alike."""
@@ -266,7 +364,7 @@ def measure(
     out: dict[str, dict[int, list[float]]] = {name: {} for name in columns}
     try:
         for name in backends:
-            receivers[name] = Receiver(name, num_regions, region_bytes, seed, streams)
+            receivers[name] = Receiver(name, num_regions, region_bytes, seed, streams, tp)
         for receiver in receivers.values():
             receiver.connect()
         for nbytes in sizes:
@@ -377,8 +475,16 @@ def main() -> None:
         default=EngineConfig.model_fields["transfer_streams"].default,
         help="nixl streams per transfer on both sides (default: the engine's)",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="2: prefill TP 2 -> decode TP 1, every region from two sender ranks at once",
+    )
     parser.add_argument("--output", default="bench/results/transfer.json")
     # Peer mode (this script spawns itself as the sender).
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--serve-sender", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--num-regions", type=int, help=argparse.SUPPRESS)
@@ -402,8 +508,16 @@ def main() -> None:
         print(f"nixl is not importable ({reason}): skipping the nixl column")
         skipped["nixl"] = reason
     running = [b for b in args.backends if b not in skipped]
-    seconds = measure(running, sizes, region_bytes, args.repeats, args.seed, args.streams)
+    seconds = measure(running, sizes, region_bytes, args.repeats, args.seed, args.streams, args.tp)
     rows = build_rows(sizes, seconds, args.backends)
+    if args.tp > 1:
+        print(
+            f"prefill TP {args.tp} -> decode TP 1: each size is {args.tp} rank pairs of "
+            f"size / {args.tp} bytes, {TP_RUNS} strided pieces per region and pair, at once"
+        )
+        for row in rows:
+            row["bytes_per_rank_pair"] = row["bytes"] // args.tp
+            row["verified"] = True  # transfer() raises on any region that differs
     print_table(rows, args.backends, args.repeats)
 
     result = {
@@ -415,6 +529,7 @@ def main() -> None:
             "backends": args.backends,
             "seed": args.seed,
             "nixl_streams": args.streams,
+            "tp": f"prefill TP {args.tp} -> decode TP 1" if args.tp > 1 else None,
             "timed_window": "ReceivePlan sent -> backend.receive done + TransferDone received",
         },
         "machine": machine(),

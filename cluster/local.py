@@ -25,6 +25,9 @@ def connect_ray(num_cpus: int | None = None) -> None:
         ray.init(address=address, log_to_driver=False)
     else:
         ray.init(
+            # A new cluster of our own, even if a `ray start` cluster runs on this machine
+            # (joining one is what RAY_ADDRESS is for).
+            address="local",
             num_cpus=num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

@@ -22,3 +22,26 @@ def test_tiny_run_writes_results(run_bench):
             continue
         assert stats["best_gb_per_s"] > 0 and stats["median_gb_per_s"] > 0
         assert stats["best_fraction_of_memcpy"] > 0
+
+
+def test_tp2_to_tp1_run_moves_half_per_rank_pair_verified(run_bench):
+    """Two sender ranks each hold one head of every region and send it at once; the run
+    fails (instead of reporting) if any region arrives different from the unsharded one."""
+    result = run_bench(
+        "transfer.py",
+        "--tp",
+        "2",
+        "--sizes-mib",
+        "1",
+        "--region-kib",
+        "256",
+        "--repeats",
+        "1",
+        "--backends",
+        "tcp",
+        timeout=300,
+    )
+    assert result["config"]["tp"] == "prefill TP 2 -> decode TP 1"
+    [row] = result["rows"]
+    assert row["bytes_per_rank_pair"] == (1 << 20) // 2 and row["verified"]
+    assert row["tcp"]["best_gb_per_s"] > 0

@@ -31,13 +31,17 @@ SERVICE = {
 }
 
 
-# Colocated engines of two rank actors each (placement groups of two 0.5-CPU bundles).
+# A prefill engine of one rank, two decode engines of two rank actors each (placement groups
+# of two 0.5-CPU bundles); prompts go through the prefill engine.
 TP_SERVICE = {
-    "num_prefill": 0,
+    "num_prefill": 1,
     "num_decode": 2,
-    "engine": ENGINE | {"tensor_parallel_size": 2},
+    "engine": ENGINE,
+    "decode_engine": {"tensor_parallel_size": 2},
     "rank_resources": {"CPU": 0.5},
     "torch_threads": 1,
+    "transfer_timeout_s": 10.0,
+    "router": {"decode_prefill_threshold": 8},
 }
 
 

@@ -1,6 +1,8 @@
-"""Tensor-parallel engines in the service: each engine is rank actors in its own placement
-group. Over HTTP with the `openai` client they give the offline TP 1 engine's tokens; a rank
-killed mid-stream ends that engine's streams with an error and the rest keep serving."""
+"""Tensor-parallel engines in the service: each is rank actors in its own placement group (here
+two decode engines of TP 2 behind a TP 1 prefill engine). Over HTTP with the `openai` client
+they give the offline TP 1 engine's tokens; a rank of a decode engine killed mid-stream ends
+that engine's streams with an error, the engine leaves the router and the index, and the rest
+keep serving."""
 
 from __future__ import annotations
 
@@ -31,11 +33,15 @@ def offline() -> LLM:
 def test_each_engine_runs_on_its_own_placement_group_of_rank_actors(tp_service):
     resources = tp_service.coordinator.engine_resources.remote().result()
     assert resources == {
-        name: {"ranks": 2, "bundle": {"CPU": 0.5}, "placement_strategy": "STRICT_PACK"}
-        for name in ("colocated-0", "colocated-1")
+        "prefill-0": {"ranks": 1, "actor_options": {"num_cpus": 0}},
+        **{
+            name: {"ranks": 2, "bundle": {"CPU": 0.5}, "placement_strategy": "STRICT_PACK"}
+            for name in ("decode-0", "decode-1")
+        },
     }
-    for engine in tp_service.engines().values():
-        assert len(ray.get(engine.rank_actors.remote())) == 1
+    engines = tp_service.engines()
+    assert len(ray.get(engines["decode-0"].rank_actors.remote())) == 1
+    assert ray.get(engines["prefill-0"].rank_actors.remote()) == []
 
 
 def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
@@ -96,7 +102,7 @@ def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_se
     for thread in threads:
         thread.start()
     engines = tp_service.engines()
-    victim = "colocated-0"
+    victim = "decode-0"
     deadline = time.monotonic() + 30
     while not ray.get(engines[victim].stats.remote())["num_requests_running"]:
         assert time.monotonic() < deadline, "no request reached the victim engine"
