@@ -10,8 +10,11 @@ Every receive has a deadline; a closed peer, a timeout or a malformed frame rais
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
+import threading
+from collections.abc import Callable
 
 from hybridserve.transceiver.protocol import MAX_MESSAGE_BYTES, Message, decode, encode
 
@@ -81,7 +84,63 @@ class Channel:
         except OSError as exc:
             raise TransferFailed(f"receive from transfer peer failed: {exc}") from exc
 
+    def next_message(self, stop: threading.Event, poll: float = 0.5) -> Message | None:
+        """The next message on a link that may stay idle between transfers (then read within
+        the channel's timeout); None once `stop` is set."""
+        while not stop.is_set():
+            try:
+                readable, _, _ = select.select([self.sock], [], [], poll)
+            except (OSError, ValueError) as exc:  # closed under us
+                raise TransferFailed(f"transfer link closed: {exc}") from exc
+            if readable:
+                return self.receive()
+        return None
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+class Listener:
+    """Accepts links on a TCP port (`address`), each served by `serve(channel)` on a thread of
+    its own, until `close`."""
+
+    def __init__(
+        self,
+        host: str,
+        serve: Callable[[Channel], None],
+        *,
+        timeout: float,
+        name: str,
+        port: int = 0,
+    ) -> None:
+        self.serve = serve
+        self.timeout = timeout
+        self.name = name
+        self._server = socket.create_server((host, port))
+        self._server.settimeout(0.2)
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
+        self.stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(
+                target=self.serve,
+                args=(Channel(sock, self.timeout),),
+                name=f"{self.name}-link",
+                daemon=True,
+            ).start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self._server.close()
+        self._thread.join(timeout=2)

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridserve.transceiver.base import Pools, RegionCopy, TransferBackend, region_copies
-from hybridserve.transceiver.channel import Channel, TransferFailed
+from hybridserve.transceiver.channel import Channel, Listener, TransferFailed
 from hybridserve.transceiver.layout import LayoutMismatch, PeerLayout, check_compatible
 from hybridserve.transceiver.protocol import (
     Hello,
@@ -140,41 +139,16 @@ class TransferReceiver:
         self.lock = lock
         self.timeout = timeout
         self.shards = shards
-        self._server = socket.create_server((host, port))
-        self._server.settimeout(0.2)
-        self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="transfer-receiver", daemon=True
+        self._listener = Listener(
+            host, self._serve, timeout=timeout, name="transfer-receiver", port=port
         )
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve,
-                args=(Channel(sock, self.timeout),),
-                name="transfer-link",
-                daemon=True,
-            ).start()
+        self.address = self._listener.address
 
     def _serve(self, channel: Channel) -> None:
         peer = ""
         try:
             peer, sender = _handshake_reply(channel, self.layout, self.backend, self.shards)
-            while not self._stop.is_set():
-                try:
-                    message = channel.receive(timeout=0.5)
-                except TransferFailed as exc:
-                    if "sent nothing" in str(exc):
-                        continue  # idle link
-                    raise
+            while (message := channel.next_message(self._listener.stopped)) is not None:
                 if isinstance(message, TransferRequest):
                     self._receive(channel, peer, sender, message)
                 elif isinstance(message, TransferAbort):
@@ -251,9 +225,7 @@ class TransferReceiver:
         channel.send(TransferAck(request_id))
 
     def close(self) -> None:
-        self._stop.set()
-        self._server.close()
-        self._thread.join(timeout=2)
+        self._listener.close()
 
 
 class TransferSender:

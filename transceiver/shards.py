@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from hybridserve.transceiver.base import RegionCopy, TransferBackend, region_copies
-from hybridserve.transceiver.channel import Channel, TransferFailed
+from hybridserve.transceiver.channel import Channel, Listener, TransferFailed
 from hybridserve.transceiver.layout import LayoutMismatch, PeerLayout, check_compatible
 from hybridserve.transceiver.protocol import Hello, ReceivePlan, ShardStart
 from hybridserve.transceiver.tp_mapping import pair_pieces
@@ -91,12 +90,8 @@ class ShardReceiver:
         self.timeout = timeout
         self._expected: dict[str, _Expected] = {}
         self._lock = threading.Lock()
-        self._server = socket.create_server((host, 0))
-        self._server.settimeout(0.2)
-        self.address: Address = self._server.getsockname()[:2]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="shard-recv", daemon=True)
-        self._thread.start()
+        self._listener = Listener(host, self._serve, timeout=timeout, name="shard-receiver")
+        self.address: Address = self._listener.address
 
     def expect(self, request_id: str, plan: ReceivePlan, sender: PeerLayout) -> None:
         """Arm for a request: from each sender rank, the copies of its shards this rank holds
@@ -143,34 +138,13 @@ class ShardReceiver:
         with self._lock:
             self._expected.pop(request_id, None)
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve,
-                args=(Channel(sock, self.timeout),),
-                name="shard-link",
-                daemon=True,
-            ).start()
-
     def _serve(self, channel: Channel) -> None:
         peer = ""
         try:
             hello = _shard_handshake(channel, self.layout, self.backend)
             peer = self.backend.add_peer(hello.backend_info)
             source = hello.layout.tp_rank
-            while not self._stop.is_set():
-                try:
-                    start = channel.receive(timeout=0.5)
-                except TransferFailed as exc:
-                    if "sent nothing" in str(exc):
-                        continue  # idle link
-                    raise
+            while (start := channel.next_message(self._listener.stopped)) is not None:
                 if not isinstance(start, ShardStart) or start.src_rank != source:
                     raise TransferFailed(f"expected ShardStart from rank {source}, got {start!r}")
                 self._land(channel, peer, start)
@@ -201,9 +175,7 @@ class ShardReceiver:
         entry.settle()
 
     def close(self) -> None:
-        self._stop.set()
-        self._server.close()
-        self._thread.join(timeout=2)
+        self._listener.close()
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridserve.transceiver.channel import Channel, TransferFailed
+from hybridserve.transceiver.channel import Channel, Listener, TransferFailed
 from hybridserve.transceiver.protocol import (
     MAX_MESSAGE_BYTES,
     DataFrame,
@@ -191,3 +191,51 @@ def test_close_is_idempotent(pair):
     client.close()
     with pytest.raises(TransferFailed):
         client.send(TransferDone("r"))
+
+
+def test_an_idle_link_waits_past_the_channel_timeout_until_a_message_or_stop(pair):
+    """A link between transfers may stay silent far longer than the read deadline: next_message
+    keeps waiting, returns the message once it comes, and returns None once stopped."""
+    client, server = pair
+    server.sock.settimeout(0.1)
+    server.timeout = 0.1
+    stop = threading.Event()
+    threading.Timer(0.5, client.send, args=(TransferDone("late"),)).start()
+    assert server.next_message(stop, poll=0.05) == TransferDone("late")
+    threading.Timer(0.3, stop.set).start()
+    start = time.monotonic()
+    assert server.next_message(stop, poll=0.05) is None
+    assert 0.25 <= time.monotonic() - start < 2.0
+
+
+def test_next_message_on_a_closed_peer_raises(pair):
+    client, server = pair
+    client.close()
+    with pytest.raises(TransferFailed, match="closed the connection"):
+        server.next_message(threading.Event(), poll=0.05)
+
+
+def test_a_listener_serves_each_link_on_its_own_thread_until_closed():
+    received: list[TransferDone] = []
+    both_in = threading.Barrier(3, timeout=5)
+
+    def serve(channel: Channel) -> None:
+        both_in.wait()  # two links are served at once, not one after the other
+        received.append(channel.receive())
+        channel.close()
+
+    listener = Listener("127.0.0.1", serve, timeout=5.0, name="test-listener")
+    links = [Channel.connect(listener.address, timeout=5.0) for _ in range(2)]
+    both_in.wait()
+    for index, link in enumerate(links):
+        link.send(TransferDone(f"r{index}"))
+    deadline = time.monotonic() + 5
+    while len(received) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(message.request_id for message in received) == ["r0", "r1"]
+    listener.close()
+    assert listener.stopped.is_set()
+    with pytest.raises(TransferFailed):
+        Channel.connect(listener.address, timeout=1.0)
+    for link in links:
+        link.close()

@@ -263,7 +263,7 @@ def test_a_closed_receiver_fails_every_later_send_cleanly(make_link, expected):
     link.receiver.close()
 
     def links_closed() -> bool:  # each link thread notices the stop within its 0.5 s poll
-        return not any(t.name == "transfer-link" for t in threading.enumerate())
+        return not any(t.name == "transfer-receiver-link" for t in threading.enumerate())
 
     wait_until(links_closed, "the receiver's links to close")
     second, third = link.send(handoffs[1]), link.send(handoffs[2])
