@@ -50,15 +50,16 @@ class ServiceConfig(BaseModel):
         description="API key -> tenant: tenants never share cached prefixes (a key not "
         "listed is its own tenant)",
     )
-    engine_actor_options: dict[str, Any] = Field(
-        default_factory=lambda: {"num_cpus": 0},
-        description="Ray actor options of each engine of one rank (e.g. {'num_gpus': 1}); an "
-        "engine of several ranks takes `rank_resources` per rank instead",
+    engine_actor_options: dict[str, Any] | None = Field(
+        None,
+        description="Ray actor options of each engine of one rank; default {'num_cpus': 0}, "
+        "plus {'num_gpus': 1} on a GPU engine; an engine of several ranks takes "
+        "`rank_resources` per rank instead",
     )
     rank_resources: dict[str, float] | None = Field(
         None,
         description="resources of each rank of a tensor-parallel engine (one placement group "
-        "bundle); default {'GPU': 1} when the cluster has GPUs, else {'CPU': 1}",
+        "bundle); default {'GPU': 1} on a GPU engine, else {'CPU': 1}",
     )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK",
@@ -115,6 +116,42 @@ class ServiceConfig(BaseModel):
             # The service's engines span rank actors (cluster/ray_executor.py).
             fields.setdefault("distributed_executor_backend", "ray")
         return EngineConfig(**fields, model=self.model, role=role)
+
+    def on_gpu(self, role: Role, cluster_gpus: float) -> bool:
+        """Whether `role`'s engines run on GPUs on a cluster with `cluster_gpus` in all."""
+        device = self.engine_config(role).device
+        return device == "cuda" or (device == "auto" and cluster_gpus > 0)
+
+    def single_rank_options(self, role: Role, cluster_gpus: float) -> dict[str, Any]:
+        """Ray actor options of a `role` engine of one rank."""
+        if self.engine_actor_options is not None:
+            return dict(self.engine_actor_options)
+        options: dict[str, Any] = {"num_cpus": 0}
+        if self.on_gpu(role, cluster_gpus):
+            options["num_gpus"] = 1
+        return options
+
+    def rank_bundle(self, role: Role, cluster_gpus: float) -> dict[str, float]:
+        """The Ray resources one rank of a `role` engine takes: its placement group bundle,
+        or an engine of one rank's actor options in bundle form. The Coordinator places
+        engines by it; deployments size their nodes by `resource_demand`."""
+        if self.engine_config(role).tensor_parallel_size == 1:
+            options = self.single_rank_options(role, cluster_gpus)
+            bundle = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
+            bundle |= options.get("resources", {})
+            return {name: float(amount) for name, amount in bundle.items() if amount}
+        if self.rank_resources is not None:
+            return dict(self.rank_resources)
+        return {"GPU": 1.0} if self.on_gpu(role, cluster_gpus) else {"CPU": 1.0}
+
+    def resource_demand(self, cluster_gpus: float) -> dict[str, list[dict[str, float]]]:
+        """Engine name -> one bundle per rank, what the engines of this service take on a
+        cluster with `cluster_gpus` GPUs (the Serve replicas take one CPU each besides)."""
+        return {
+            name: [self.rank_bundle(role, cluster_gpus)]
+            * self.engine_config(role).tensor_parallel_size
+            for name, role in self.engine_names().items()
+        }
 
     @property
     def model_id(self) -> str:

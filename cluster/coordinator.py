@@ -76,13 +76,14 @@ class Coordinator:
             "transfer_host": self.config.transfer_host,
         }
         tp = engine.tensor_parallel_size
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
         if tp == 1:
-            options = dict(self.config.engine_actor_options)
+            options = self.config.single_rank_options(engine.role, cluster_gpus)
             self.resources[name] = {"ranks": 1, "actor_options": options}
             return EngineActor.options(**options).remote(
                 name, engine.model_dump(), self.router, **kwargs
             )
-        bundle = dict(self.config.rank_resources or self._default_bundle(engine))
+        bundle = self.config.rank_bundle(engine.role, cluster_gpus)
         group = placement_group([bundle] * tp, strategy=self.config.placement_strategy)
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -103,12 +104,6 @@ class Coordinator:
         return EngineActor.options(**bundle_options(bundle), scheduling_strategy=strategy).remote(
             name, engine.model_dump(), self.router, **kwargs
         )
-
-    @staticmethod
-    def _default_bundle(engine: EngineConfig) -> dict[str, float]:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        on_gpu = engine.device == "cuda" or (engine.device == "auto" and gpus > 0)
-        return {"GPU": 1.0} if on_gpu else {"CPU": 1.0}
 
     def topology(self) -> dict[str, Any]:
         """What an ingress replica needs: the router, live engines, the model's limits."""

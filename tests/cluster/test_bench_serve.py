@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +15,7 @@ import pytest
 
 from hybridserve.cluster import bench_launch, bench_serve
 from hybridserve.cluster.cli import build_parser
-from hybridserve.cluster.local import free_port
+from tests.ray_head import RayHead, ray_head
 
 BIN = Path(sys.executable).parent
 
@@ -107,60 +103,20 @@ def test_the_topology_and_the_launched_service_config():
 
 
 @pytest.fixture(scope="module")
-def ray_head() -> Iterator[str]:
-    """A Ray cluster of its own (`ray start --head`), as a user would have; its job address."""
-    dashboard = free_port()
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            f"--port={free_port()}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            "--num-cpus=6",
-            "--disable-usage-stats",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its processes form one group: stopped together below
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{address}/api/version", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the Ray head never came up"
-                time.sleep(1)
-        yield address
-    finally:
-        # NOTE: not `ray stop`: that stops every Ray process here, the test session's too.
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+def head() -> Iterator[RayHead]:
+    """A Ray cluster of its own (`ray start --head`), as a user would have."""
+    with ray_head(num_cpus=6) as started:
+        yield started
 
 
-def submit(address: str, *command: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--", *command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def submit(head: RayHead, *command: str) -> subprocess.CompletedProcess:
+    return head.run("ray", "job", "submit", "--address", head.address, "--", *command)
 
 
-def test_a_ray_job_launches_a_tensor_parallel_topology_and_benchmarks_it(ray_head, tmp_path):
+def test_a_ray_job_launches_a_tensor_parallel_topology_and_benchmarks_it(head, tmp_path):
     output = tmp_path / "serve.json"
     job = submit(
-        ray_head,
+        head,
         "hybridserve",
         "bench",
         "serve",
@@ -191,9 +147,9 @@ def test_a_ray_job_launches_a_tensor_parallel_topology_and_benchmarks_it(ray_hea
     }
 
 
-def test_a_ray_job_whose_requests_fail_exits_non_zero(ray_head, tmp_path):
+def test_a_ray_job_whose_requests_fail_exits_non_zero(head, tmp_path):
     job = submit(
-        ray_head,
+        head,
         "hybridserve",
         "bench",
         "serve",

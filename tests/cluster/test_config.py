@@ -1,0 +1,73 @@
+"""ServiceConfig: per-role engine configs, and the resources each engine takes (what the
+Coordinator asks Ray for and what a deployment must provide)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from hybridserve.cluster.config import ServiceConfig
+
+TP_ROLES = {"prefill_engine": {"tensor_parallel_size": 2}, "num_decode": 2}
+
+
+def test_roles_get_their_overrides_and_tensor_parallel_engines_run_on_rank_actors():
+    config = ServiceConfig(engine={"max_num_seqs": 4}, **TP_ROLES)
+    prefill, decode = config.engine_config("prefill"), config.engine_config("decode")
+    assert (prefill.max_num_seqs, decode.max_num_seqs) == (4, 4)
+    assert prefill.executor_backend == "ray" and decode.executor_backend == "uni"
+    assert not prefill.mamba_snapshot_turn_end and decode.mamba_snapshot_turn_end
+
+
+def test_defaults_take_one_gpu_per_rank_on_gpus_and_no_cpu_for_a_single_rank_engine():
+    config = ServiceConfig(**TP_ROLES)
+    assert config.resource_demand(cluster_gpus=8) == {
+        "prefill-0": [{"GPU": 1.0}, {"GPU": 1.0}],
+        "decode-0": [{"GPU": 1.0}],
+        "decode-1": [{"GPU": 1.0}],
+    }
+    assert config.single_rank_options("decode", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 1}
+    assert config.resource_demand(cluster_gpus=0) == {
+        "prefill-0": [{"CPU": 1.0}, {"CPU": 1.0}],
+        "decode-0": [{}],  # an engine of one rank takes no logical CPU by default
+        "decode-1": [{}],
+    }
+    assert config.single_rank_options("decode", cluster_gpus=0) == {"num_cpus": 0}
+
+
+def test_explicit_resources_win_over_the_defaults():
+    config = ServiceConfig(
+        **TP_ROLES,
+        engine_actor_options={"num_cpus": 2, "num_gpus": 1, "resources": {"A100": 1}},
+        rank_resources={"CPU": 4, "GPU": 1},
+    )
+    demand = config.resource_demand(cluster_gpus=0)
+    assert demand["prefill-0"] == [{"CPU": 4, "GPU": 1}] * 2
+    assert demand["decode-0"] == [{"CPU": 2.0, "GPU": 1.0, "A100": 1.0}]
+
+
+def test_a_cpu_device_engine_takes_no_gpu_on_a_gpu_cluster():
+    config = ServiceConfig(**TP_ROLES, decode_engine={"device": "cpu"})
+    demand = config.resource_demand(cluster_gpus=8)
+    assert demand["prefill-0"] == [{"GPU": 1.0}] * 2 and demand["decode-0"] == [{}]
+
+
+def test_a_colocated_service_names_its_engines_by_role():
+    config = ServiceConfig(num_prefill=0, num_decode=2, decode_engine={"tensor_parallel_size": 2})
+    assert list(config.resource_demand(cluster_gpus=4)) == ["colocated-0", "colocated-1"]
+    assert config.resource_demand(cluster_gpus=4)["colocated-1"] == [{"GPU": 1.0}] * 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        ({"engine": {"model": "x"}}, r"\['model'\] are set by the service"),
+        ({"prefill_engine": {"max_num_seqs": 0}}, "prefill engine configuration: max_num_seqs"),
+        ({"num_decode": 0}, "num_decode"),
+        ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
+        ({"engine_actor_option": {}}, "engine_actor_option"),
+    ],
+)
+def test_bad_fields_are_refused_naming_them(fields, shown):
+    with pytest.raises(ValidationError, match=shown):
+        ServiceConfig(**fields)
