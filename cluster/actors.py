@@ -153,8 +153,8 @@ class EngineActor:
         async for event in self.worker.generate(GenerateRequest.from_dict(request)):
             yield event.to_dict()
 
-    async def expect(self, request_id: str) -> list[Any]:
-        return list(await self.worker.expect(request_id))
+    async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
+        return list(await self.worker.expect(request_id, num_choices))
 
     async def prefill(self, request: dict[str, Any], decode_address: list[Any]) -> dict[str, Any]:
         address = (str(decode_address[0]), int(decode_address[1]))

@@ -13,7 +13,6 @@ aborts the request on every engine that holds it.
 # Serve ingress class at runtime and would not see `Request` behind a string annotation.
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,10 +25,10 @@ from ray import serve
 
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.coordinator import Coordinator
-from hybridserve.cluster.detokenizer import Detokenizer
 from hybridserve.cluster.handles import RayEngine, RayRouter
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.metrics import ServiceMetrics
+from hybridserve.cluster.openai_body import parse_json_object, refuse_unsupported
 from hybridserve.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,20 +37,19 @@ from hybridserve.cluster.openai_protocol import (
     model_not_found,
     validation_error,
 )
+from hybridserve.cluster.openai_reply import Reply
 from hybridserve.cluster.openai_responses import (
     SSE_DONE,
     ResponseMeta,
-    Usage,
     models_list,
-    response_body,
     sse_error,
     sse_event,
-    stream_chunk,
     usage_chunk,
 )
 from hybridserve.cluster.orchestrator import Orchestrator
-from hybridserve.cluster.stop_strings import StopStringMatcher
 from hybridserve.workers.models.loader import load_tokenizer
+from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +61,15 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
+@api.exception_handler(Exception)
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unforeseen (a failed actor call, no engine left to route to) still answers
+    with an OpenAI error body, never a bare 500."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    error = OpenAIError(500, f"the server failed: {exc}", type="server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(api)
 class OpenAIIngress:
@@ -71,8 +78,19 @@ class OpenAIIngress:
         self.coordinator = coordinator
         self.keys = self.config.accepted_keys()
         self.tokenizer = load_tokenizer(self.config.model)  # not the weights
+        self._grammars: GrammarCompiler | None = None
         self._topology: dict[str, Any] | None = None
         self.metrics: ServiceMetrics | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """Checks structured-output specs against the model's vocabulary (built lazily)."""
+        if self._grammars is None and self.tokenizer is not None and self._topology is not None:
+            model = self._topology["model"]
+            self._grammars = GrammarCompiler(
+                self.tokenizer, model["vocab_size"], model["eos_token_ids"]
+            )
+        return self._grammars
 
     async def _topo(self) -> dict[str, Any]:
         if self._topology is None:
@@ -103,12 +121,8 @@ class OpenAIIngress:
                 413,
                 f"request body is {len(raw)} bytes; the limit is {self.config.max_request_bytes}",
             )
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
+        data = parse_json_object(raw)
+        refuse_unsupported(data, chat=model is ChatCompletionRequest)
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
@@ -118,6 +132,20 @@ class OpenAIIngress:
         if parsed.model is not None and parsed.model != model_id:
             raise model_not_found(parsed.model)
         return parsed
+
+    def _check_structured_output(self, params: SamplingParams, body: Any) -> None:
+        """Compile the output constraint here too: a bad schema is the client's 400, before
+        any engine sees it."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise OpenAIError(400, "structured output needs the model's tokenizer")
+        try:
+            self.grammars.compile(spec)
+        except ValueError as exc:
+            param, _ = body.output_constraint()
+            raise OpenAIError(400, f"{param}: {exc}", param=param) from None
 
     # ---- routes ---------------------------------------------------------------------------
 
@@ -187,21 +215,21 @@ class OpenAIIngress:
         params = body.to_sampling_params(
             model["vocab_size"], model["max_model_len"], len(prompt_ids)
         )
+        self._check_structured_output(params, body)
         # One id: the client's response id is the engines' request id (logs, aborts).
         meta = ResponseMeta.new(model["model_id"], chat=chat)
         request = GenerateRequest(
             request_id=meta.id,
             prompt_token_ids=prompt_ids,
-            sampling=params.model_dump(),
+            sampling=params.model_dump(mode="json"),
             cache_salt=derive_cache_salt(tenant, body.cache_salt),
             stable_prompt_len=stable_len,
         )
+        reply = Reply(self.tokenizer, body, request, meta)
         events = self._run(request, topology)
         if body.stream:
-            return StreamingResponse(
-                self._sse(events, request, body, meta), media_type="text/event-stream"
-            )
-        return JSONResponse(await self._collect(events, request, body, meta))
+            return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
+        return JSONResponse(await self._collect(events, reply))
 
     async def _run(
         self, request: GenerateRequest, topology: dict[str, Any]
@@ -216,125 +244,55 @@ class OpenAIIngress:
         await self.coordinator.mark_dead.remote(name)
         self._topology = None  # routed afresh from now on
 
-    async def _texts(
-        self, events: AsyncIterator[TokenEvent], body: Any, stats: dict[str, Any]
-    ) -> AsyncIterator[tuple[str, list[int], str | None]]:
-        """(text delta, token ids, finish reason) per event, with stop strings applied.
-        Raises OpenAIError(500) for an engine-side error."""
-        detokenizer = Detokenizer(self.tokenizer)
-        matcher = StopStringMatcher(body.stop or [])
-        start = time.monotonic()
-        last = start
-        async for event in events:
-            now = time.monotonic()
-            if event.token_ids:
-                if stats["ttft"] is None:
-                    stats["ttft"] = now - start
-                else:
-                    stats["itl"].append(now - last)
-                last = now
-            stats["cached"] = event.num_cached_tokens
-            if event.finish_reason == "error":
-                stats["finish_reason"] = "error"
-                raise OpenAIError(500, event.error or "the request failed", type="server_error")
-            if event.finish_reason == "abort":
-                stats["finish_reason"] = "abort"
-                raise OpenAIError(503, "the request was aborted by the engine")
-            stats["tokens"] += len(event.token_ids)
-            text = detokenizer.feed(event.token_ids, event.finished)
-            match = matcher.feed(text)
-            reason = event.finish_reason
-            if match.stopped:
-                stats["finish_reason"] = "stop"
-                yield match.text, event.token_ids, "stop"
-                return  # leaving the loop aborts the request (`_run`'s finally)
-            if reason is not None:
-                stats["finish_reason"] = reason
-                yield match.text + matcher.flush(), event.token_ids, reason
-                return
-            yield match.text, event.token_ids, None
-
-    def _observe(self, request: GenerateRequest, stats: dict[str, Any], start: float) -> None:
+    def _observe(self, reply: Reply, start: float) -> None:
         if self.metrics is not None:
+            stats = reply.stats
             self.metrics.observe_request(
-                prompt_tokens=len(request.prompt_token_ids),
-                generation_tokens=stats["tokens"],
-                cached_tokens=stats["cached"],
-                finish_reason=stats["finish_reason"] or "abort",
+                prompt_tokens=len(reply.request.prompt_token_ids),
+                generation_tokens=stats.num_tokens,
+                cached_tokens=stats.num_cached_tokens,
+                finish_reason=stats.finish_reason or "abort",
                 e2e_s=time.monotonic() - start,
-                ttft_s=stats["ttft"],
-                itl_s=stats["itl"],
+                ttft_s=stats.ttft,
+                itl_s=stats.itl,
             )
 
-    @staticmethod
-    def _new_stats() -> dict[str, Any]:
-        return {"ttft": None, "itl": [], "tokens": 0, "cached": 0, "finish_reason": None}
-
-    async def _collect(
-        self, events: AsyncIterator[TokenEvent], request: GenerateRequest, body: Any, meta: Any
-    ) -> dict[str, Any]:
-        stats, start = self._new_stats(), time.monotonic()
-        texts: list[str] = []
-        token_ids: list[int] = []
-        finish_reason = None
+    async def _collect(self, events: AsyncIterator[TokenEvent], reply: Reply) -> dict[str, Any]:
+        start = time.monotonic()
         try:
-            async for text, ids, reason in self._texts(events, body, stats):
-                texts.append(text)
-                token_ids.extend(ids)
-                finish_reason = reason
+            async for delta in reply.deltas(events):
+                reply.add(delta)
+        except OpenAIError:
+            raise
+        except Exception as exc:  # anything else still answers with an OpenAI error body
+            logger.exception("request %s failed", reply.request.request_id)
+            raise OpenAIError(500, f"the request failed: {exc}", type="server_error") from None
         finally:
             await events.aclose()
-            self._observe(request, stats, start)
-        usage = Usage(len(request.prompt_token_ids), stats["tokens"], stats["cached"])
-        return response_body(
-            meta,
-            "".join(texts),
-            finish_reason,
-            usage,
-            token_ids=token_ids if body.return_token_ids else None,
-            prompt_token_ids=request.prompt_token_ids if body.return_token_ids else None,
-        )
+            self._observe(reply, start)
+        return reply.body()
 
-    async def _sse(
-        self, events: AsyncIterator[TokenEvent], request: GenerateRequest, body: Any, meta: Any
-    ) -> AsyncIterator[str]:
-        stats, start = self._new_stats(), time.monotonic()
-        first = True
-        # Tokens whose text is held back (an incomplete UTF-8 sequence) ride with the next
-        # chunk that has text: a chunk is never sent empty, and no token id is ever dropped.
-        pending: list[int] = []
+    async def _sse(self, events: AsyncIterator[TokenEvent], reply: Reply) -> AsyncIterator[str]:
+        start = time.monotonic()
         try:
-            async for text, ids, reason in self._texts(events, body, stats):
-                pending.extend(ids)
-                if text or reason is not None or first:
-                    ids, pending = pending, []
-                    yield sse_event(
-                        stream_chunk(
-                            meta,
-                            text,
-                            reason,
-                            first=first,
-                            token_ids=ids if body.return_token_ids else None,
-                            prompt_token_ids=(
-                                request.prompt_token_ids
-                                if body.return_token_ids and first
-                                else None
-                            ),
-                        )
-                    )
-                    first = False
-            if body.include_usage:
-                usage = Usage(len(request.prompt_token_ids), stats["tokens"], stats["cached"])
-                yield sse_event(usage_chunk(meta, usage))
+            async for delta in reply.deltas(events):
+                chunk = reply.chunk(delta)
+                if chunk is not None:
+                    yield sse_event(chunk)
+            if reply.body_request.include_usage:
+                yield sse_event(usage_chunk(reply.meta, reply.usage()))
             yield SSE_DONE
         except OpenAIError as exc:
             yield sse_error(exc)  # mid-stream failure: an error event and no [DONE]
         except asyncio.CancelledError:
-            logger.info("request %s: client disconnected", request.request_id)
+            logger.info("request %s: client disconnected", reply.request.request_id)
             raise
+        except Exception as exc:
+            logger.exception("request %s failed mid-stream", reply.request.request_id)
+            yield sse_error(OpenAIError(500, f"the request failed: {exc}", type="server_error"))
         finally:
             await events.aclose()
-            self._observe(request, stats, start)
+            self._observe(reply, start)
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -63,6 +63,7 @@ class Coordinator:
         self.model_info = {
             "model_id": self.config.model_id,
             "vocab_size": described[0]["vocab_size"],
+            "eos_token_ids": described[0]["eos_token_ids"],
             "max_model_len": min(d["max_model_len"] for d in described),
         }
         self.dead: set[str] = set()

@@ -35,8 +35,8 @@ class RayEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         return self._stream("generate", request.to_dict())
 
-    async def expect(self, request_id: str) -> tuple[str, int]:
-        host, port = await self._call("expect", request_id)
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        host, port = await self._call("expect", request_id, num_choices)
         return str(host), int(port)
 
     async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> PrefillResult:

@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from hybridserve.workers.sampling_params import SamplingParams
 
-MESSAGES_VERSION = 1
+# 2: TokenEvent carries the choice index, logprobs, prompt logprobs and the stream's end.
+MESSAGES_VERSION = 2
 
 M = TypeVar("M", bound="_Message")
 
@@ -63,8 +64,10 @@ class GenerateRequest(_Message):
 
 @dataclass(frozen=True)
 class TokenEvent(_Message):
-    """New tokens of a request; `offset` is the output position of the first of them, so a
-    reader can drop tokens it already has (a recompute regenerates the same ones)."""
+    """New tokens of choice `index` of a request; `offset` is the output position of the first
+    of them in that choice, so a reader can drop tokens it already has (a recompute
+    regenerates the same ones). `finish_reason` ends the choice; the request's stream ends
+    with the event marked `last` (every choice finished), or with an error or abort."""
 
     request_id: str
     offset: int
@@ -72,11 +75,18 @@ class TokenEvent(_Message):
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0
+    last: bool = False
+    # With logprobs: one [token id, logprob, [[id, logprob], ...]] per token of token_ids.
+    logprobs: list[list[Any]] | None = None
+    # With prompt_logprobs, on the first event: one per prompt token (None for the first).
+    prompt_logprobs: list[list[Any] | None] | None = None
     kind: ClassVar[str] = "tokens"
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """No event follows: the stream of the whole request is over."""
+        return self.last or self.finish_reason in ("error", "abort")
 
 
 @dataclass(frozen=True)

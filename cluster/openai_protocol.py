@@ -1,8 +1,9 @@
 """The OpenAI-compatible requests: request models, errors, sampling limits and cache salts.
 
 Requests parse with pydantic: unknown fields are ignored as OpenAI does, but wrong types and
-ranges raise, and `validation_error` turns that into the OpenAI 400 body. Once the prompt is
-tokenized, `to_sampling_params` checks what only the engine's limits can decide (context length,
+ranges raise, and `validation_error` turns that into the OpenAI 400 body (known parameters
+without an effect are refused before, in `openai_body`). Once the prompt is tokenized,
+`to_sampling_params` checks what only the engine's limits can decide (context length,
 vocabulary) and builds the engine's `SamplingParams`. `derive_cache_salt` scopes the request's
 `cache_salt` to its tenant. Response bodies live in `openai_responses`, the stop-string matcher
 in `stop_strings`. No FastAPI or Ray import: the app adapts these to HTTP.
@@ -11,6 +12,8 @@ in `stop_strings`. No FastAPI or Ray import: the app adapts these to HTTP.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -19,14 +22,15 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.sampling_params import SamplingParams, StructuredOutput
 
 MAX_STOP_SEQUENCES = 4
+MAX_LOGPROBS = 20  # per token, as vLLM's default max_logprobs
+MAX_CHOICES = 128
 
 # ----------------------------------------------------------------------------------------------
 # Errors
@@ -97,6 +101,9 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if first["type"] == "value_error":
         message = str(first["ctx"]["error"])  # our own checks already name the field
+        if param is None:  # a check across fields: its message starts with the one at fault
+            named = re.match(r"([a-z_]+)\b", message)
+            param = named.group(1) if named else None
     return OpenAIError(400, message, param=param)
 
 
@@ -114,8 +121,34 @@ def model_not_found(model: str) -> OpenAIError:
 # ----------------------------------------------------------------------------------------------
 
 # NOTE: strict, so "0.5" is not a temperature and true is not a token id; extra="ignore" because
-# OpenAI clients send fields we do not use (logprobs, presence_penalty, ...).
+# clients send fields of newer API versions; the known ones without an effect are refused in
+# openai_body.
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: str = "response"
+    description: str | None = None
+    # NOTE: not strict: a JSON Schema is any JSON object.
+    schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text (no constraint), any JSON object, or a JSON Schema."""
+
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object.")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -134,18 +167,33 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, description="None = 1.0; 0 = greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, description="-1 or 0 = no top-k filter (vLLM)")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # NOTE: JSON object keys are strings: token ids as text ("50256": -100).
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     stop: list[str] = Field(default_factory=list, description="a string or up to 4 strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # Extensions (vLLM names).
     cache_salt: str | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -155,21 +203,14 @@ class _GenerationRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
-    @classmethod
-    def _at_least_one(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError(f"{info.field_name} must be at least 1, got {value}.")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError("n>1 is not supported; send one request per choice.")
-        if value < 1:
-            raise ValueError(f"n must be 1, got {value}.")
-        return value
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> _GenerationRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of ({self.best_of}) other than n ({self.n}) is not supported: every "
+                "choice generated is returned."
+            )
+        return self
 
     @field_validator("top_k")
     @classmethod
@@ -203,6 +244,69 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (ignored without `stream`)."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_output(self) -> StructuredOutput | None:
+        constraint = self.output_constraint()
+        return None if constraint is None else constraint[1]
+
+    def output_constraint(self) -> tuple[str, StructuredOutput] | None:
+        """The output constraint and the parameter that gave it, from response_format or
+        vLLM's guided_* (one at most)."""
+        given: list[tuple[str, StructuredOutput]] = []
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            given.append(("response_format", StructuredOutput(kind="json")))
+        elif form is not None and form.type == "json_schema":
+            assert form.json_schema is not None
+            schema = json.dumps(form.json_schema.schema_)
+            given.append(("response_format", StructuredOutput(kind="json_schema", spec=schema)))
+        if self.guided_json is not None:
+            spec = self.guided_json
+            text = spec if isinstance(spec, str) else json.dumps(spec)
+            given.append(("guided_json", StructuredOutput(kind="json_schema", spec=text)))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", StructuredOutput(kind="regex", spec=self.guided_regex)))
+        if self.guided_choice is not None:
+            choices = json.dumps(self.guided_choice)
+            given.append(("guided_choice", StructuredOutput(kind="choice", spec=choices)))
+        if self.guided_grammar is not None:
+            grammar = self.guided_grammar
+            given.append(("guided_grammar", StructuredOutput(kind="grammar", spec=grammar)))
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise OpenAIError(
+                400, f"give one output constraint, not several ({names}).", param=given[1][0]
+            )
+        return given[0] if given else None
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            token_id = int(key) if key.lstrip("-").isdigit() else None
+            if token_id is None or not 0 <= token_id < vocab_size:
+                raise OpenAIError(
+                    400,
+                    f"logit_bias key {key!r} is not a token id of the vocabulary [0, "
+                    f"{vocab_size}).",
+                    param="logit_bias",
+                )
+            if not -100.0 <= bias <= 100.0:
+                raise OpenAIError(
+                    400,
+                    f"logit_bias for token {token_id} is {bias}; biases lie in [-100, 100].",
+                    param="logit_bias",
+                )
+            pairs.append((token_id, float(bias)))
+        return tuple(pairs)
+
+    def _logprobs(self) -> int | None:
+        """How many top logprobs per generated token (None: none at all)."""
+        raise NotImplementedError
+
+    @property
+    def scoring_only(self) -> bool:
+        """A request that only scores its prompt (completions echo with max_tokens 0)."""
+        return False
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         """(the client's output limit or None, the field name it came in)."""
@@ -248,15 +352,27 @@ class _GenerationRequest(BaseModel):
                 param="min_tokens",
             )
         return SamplingParams(
+            n=self.n,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias_pairs(vocab_size),
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
+            structured_output=self.structured_output(),
         )
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_GenerationRequest):
@@ -265,7 +381,17 @@ class CompletionRequest(_GenerationRequest):
     _prompt_param: ClassVar[str] = "prompt"
 
     prompt: str | list[int]
-    max_tokens: int = 16
+    max_tokens: int = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_score(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError(
+                "max_tokens must be at least 1, got 0 (0 is for scoring a prompt with echo)."
+            )
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -292,7 +418,21 @@ class CompletionRequest(_GenerationRequest):
         return value
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
+        # Scoring (echo, max_tokens 0): the engine generates one token, which is not returned.
+        return max(self.max_tokens, 1), "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs returns the prompt's tokens with their logprobs too.
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def scoring_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(
         self, vocab_size: int, max_model_len: int, prompt_len: int
@@ -317,13 +457,16 @@ class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str = ""
+    # NOTE: validated when absent too, so a message without content is refused by name.
+    content: str = Field(None, validate_default=True)
+    name: str | None = None
+    tool_calls: list[Any] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
-        if value is None:  # an assistant turn that only called tools
-            return ""
+        if value is None:
+            raise ValueError("content is required: every message carries text.")
         if not isinstance(value, list):
             return value
         texts = []
@@ -339,6 +482,13 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("assistant tool_calls are not supported (tool calling is off).")
+        return value
+
 
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions; the output limit is `max_completion_tokens` or `max_tokens`."""
@@ -346,13 +496,36 @@ class ChatCompletionRequest(_GenerationRequest):
     _prompt_param: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true.")
+        if self.tools:
+            raise ValueError(
+                "tools: tool calling is not supported by this server (the built-in parsers "
+                "cover no tool format yet); send the request without tools."
+            )
+        if self.tool_choice not in (None, "none"):
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r} needs tools, which are not supported."
+            )
+        return self
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation as the chat template takes it: [{"role", "content"}]."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hybridserve.cluster.openai_protocol import OpenAIError
+from hybridserve.workers.outputs import TokenLogprobs
 
 OpenAIFinishReason = Literal["stop", "length"]  # the engine's "abort"/"error" become error events
 
@@ -56,65 +57,119 @@ class ResponseMeta:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def _build(
-    meta: ResponseMeta,
-    stream: bool,
-    choice: dict[str, Any],
-    token_ids: Sequence[int] | None,
-    prompt_token_ids: Sequence[int] | None,
-) -> dict[str, Any]:
-    # NOTE: vLLM's return_token_ids layout: `token_ids` sits in the choice; `prompt_token_ids`
-    # too for completions, but on the response itself for chat.
+def _envelope(meta: ResponseMeta, stream: bool, prompt_token_ids: Sequence[int] | None) -> dict:
+    # NOTE: vLLM's return_token_ids layout: `prompt_token_ids` on the response for chat, in
+    # the choice for completions (see `choice`).
     body = meta._envelope(stream)
+    if prompt_token_ids is not None and meta.chat:
+        body["prompt_token_ids"] = list(prompt_token_ids)
+    return body
+
+
+def choice(
+    meta: ResponseMeta,
+    index: int,
+    text: str,
+    finish_reason: OpenAIFinishReason | None,
+    *,
+    stream: bool = False,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
+    token_ids: Sequence[int] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """One choice of a body (`stream` False) or of a chunk; the first chat chunk of a choice
+    carries `role`. With return_token_ids: `token_ids` (this choice's, or this delta's) and,
+    for completions, `prompt_token_ids`."""
+    if meta.chat and stream:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        body: dict[str, Any] = {"index": index, "delta": delta}
+    elif meta.chat:
+        body = {"index": index, "message": {"role": "assistant", "content": text}}
+    else:
+        body = {"index": index, "text": text}
+    body |= {"logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
-    if prompt_token_ids is not None:
-        (body if meta.chat else choice)["prompt_token_ids"] = list(prompt_token_ids)
-    body["choices"] = [choice]
+        body["token_ids"] = list(token_ids)
+    if prompt_token_ids is not None and not meta.chat:
+        body["prompt_token_ids"] = list(prompt_token_ids)
     return body
 
 
 def response_body(
     meta: ResponseMeta,
-    text: str,
-    finish_reason: OpenAIFinishReason,
+    choices: list[dict[str, Any]],
     usage: Usage,
     *,
-    token_ids: Sequence[int] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A non-streaming `text_completion` or `chat.completion` body (by `meta.chat`)."""
-    if meta.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-    else:
-        choice = {"index": 0, "text": text}
-    choice |= {"logprobs": None, "finish_reason": finish_reason}
-    body = _build(meta, False, choice, token_ids, prompt_token_ids)
+    body = _envelope(meta, False, prompt_token_ids)
+    body["choices"] = sorted(choices, key=lambda c: c["index"])
     body["usage"] = usage.to_dict()
     return body
 
 
 def stream_chunk(
-    meta: ResponseMeta,
-    text: str,
-    finish_reason: OpenAIFinishReason | None = None,
-    *,
-    first: bool = False,
-    token_ids: Sequence[int] | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
+    meta: ResponseMeta, one_choice: dict[str, Any], prompt_token_ids: Sequence[int] | None = None
 ) -> dict[str, Any]:
-    """One streamed delta; the first chat chunk carries `role`, the last one `finish_reason`.
+    """One streamed delta of one choice (made with `choice(..., stream=True)`)."""
+    return _envelope(meta, True, prompt_token_ids) | {"choices": [one_choice]}
 
-    With return_token_ids, pass `token_ids` (this delta's) on every chunk and `prompt_token_ids`
-    on the first.
-    """
-    if meta.chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
-    else:
-        choice = {"index": 0, "text": text}
-    choice |= {"logprobs": None, "finish_reason": finish_reason}
-    return _build(meta, True, choice, token_ids, prompt_token_ids)
+
+class LogprobsFormatter:
+    """Token logprobs in OpenAI's two shapes: completions' parallel lists and chat's
+    `content` entries. Tokens are shown as their text, or as "token_id:<id>" with vLLM's
+    return_tokens_as_token_ids."""
+
+    def __init__(self, tokenizer: Any, *, as_token_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
+
+    def text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token(self, token_id: int) -> str:
+        if self.as_token_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.text(token_id)
+
+    def completion(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprobs | None],
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
+        """`{tokens, token_logprobs, top_logprobs, text_offset}`; an entry of None (the
+        first prompt token, which nothing predicts) has no logprob and no top list."""
+        offsets = []
+        for token_id in token_ids:  # offsets into the text, whichever form tokens are shown in
+            offsets.append(text_offset)
+            text_offset += len(self.text(token_id))
+        return {
+            "tokens": [self.token(t) for t in token_ids],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [
+                None if e is None else {self.token(t): lp for t, lp in e.top} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """`{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`."""
+
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
 
 
 def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
 
-    async def expect(self, request_id: str) -> tuple[str, int]: ...
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]: ...
 
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
@@ -131,7 +131,7 @@ class Orchestrator:
         request_id = request.request_id
         decode = self.engines[decode_name]
         # 2. expect: the stream is open before anything can arrive
-        address = await decode.expect(request_id)
+        address = await decode.expect(request_id, request.params.n)
         # 3. prefill (and the transfer it starts)
         try:
             result = await self.engines[prefill_name].prefill(request, address)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 class StopMatch:
     text: str  # safe to emit now
     stopped: bool  # a stop string was hit: `text` ends right before it, and nothing follows
+    stop: str | None = None  # the stop string hit (first in the text)
 
 
 class StopStringMatcher:
@@ -36,10 +37,11 @@ class StopStringMatcher:
         if self._stopped:
             return StopMatch("", True)
         text = self._held + delta
-        hits = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+        hits = [(text.find(stop), stop) for stop in self._stops if stop in text]
         if hits:
             self._held, self._stopped = "", True
-            return StopMatch(text[: min(hits)], True)
+            position, stop = min(hits)
+            return StopMatch(text[:position], True, stop)
         keep = max((self._overlap(text, stop) for stop in self._stops), default=0)
         self._held = text[len(text) - keep :]
         return StopMatch(text[: len(text) - keep], False)

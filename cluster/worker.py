@@ -59,8 +59,10 @@ class _Stream:
     """Where a request's events go: an asyncio queue on the caller's loop."""
 
     loop: asyncio.AbstractEventLoop
+    num_choices: int = 1
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-    num_sent: int = 0  # output tokens already put in the queue
+    num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
+    finished: set[int] = field(default_factory=set)  # choices that ended
     prefill_done: asyncio.Future[PrefillResult] | None = None
     decode_address: tuple[str, int] | None = None
     # The engine is done with the request here (its final output, or the prefill's transfer
@@ -70,6 +72,11 @@ class _Stream:
 
     def put(self, event: TokenEvent) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def end(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """A last event: the request ended (aborted, or failed) for every choice."""
+        offset = self.num_sent.get(0, 0)
+        self.put(TokenEvent(request_id, offset, finish_reason=reason, error=error, last=True))
 
 
 class EngineWorker:
@@ -153,6 +160,7 @@ class EngineWorker:
             "role": self.role,
             "address": list(self.address) if self.address else None,
             "vocab_size": config.vocab_size,
+            "eos_token_ids": sorted(self.engine.eos_token_ids),
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.config.block_size,
             "partial_reuse": self.engine.config.enable_partial_reuse,
@@ -176,6 +184,8 @@ class EngineWorker:
                 "num_requests_waiting": len(scheduler.waiting),
                 "kv_cache_usage_perc": used / num_blocks if num_blocks else 0.0,
                 "num_preemptions": scheduler.num_preemptions,
+                "num_prompt_tokens_computed": scheduler.num_prompt_tokens_computed,
+                "num_forks": scheduler.num_forks,
                 "snapshot_hits": cache.stats.hits,
                 "snapshot_misses": cache.stats.misses,
                 "reused_tokens": cache.stats.reused_tokens,
@@ -202,7 +212,7 @@ class EngineWorker:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Run a whole request here (colocated, or decode prefilling a short suffix)."""
-        stream = self._open(request.request_id)
+        stream = self._open(request.request_id, request.params.n)
         try:
             self._add(request)
             async for event in self._drain(stream):
@@ -210,12 +220,13 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
-    async def expect(self, request_id: str) -> tuple[str, int]:
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
         """Decode role: open the stream of a request a prefill engine is about to send here;
         returns where to send it. Its first token is delivered by the prefill side (with
-        the prefill result), so this stream starts after it."""
+        the prefill result), so this stream starts after it; the first tokens of its other
+        choices (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
-        self._open(request_id).num_sent = 1
+        self._open(request_id, num_choices).num_sent[0] = 1
         return self.address
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
@@ -223,7 +234,7 @@ class EngineWorker:
         the prefill engine died). The engine's failure policy decides: recompute here, or
         end the request with an error. `delivered`: output tokens the caller already has."""
         stream = self._expected_stream(request.request_id)
-        stream.num_sent = delivered
+        stream.num_sent[0] = delivered
         self._count_failure("transfer_failed")
         with self.lock:
             self.engine.recover_lost_transfer(
@@ -293,7 +304,7 @@ class EngineWorker:
             output = self.engine.abort(request_id)
         stream = self._streams.get(request_id)
         if output is not None and stream is not None:
-            stream.put(TokenEvent(request_id, stream.num_sent, finish_reason="abort"))
+            stream.end(request_id, "abort")
         self._flush_cache_events()
         return output is not None
 
@@ -328,10 +339,10 @@ class EngineWorker:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _open(self, request_id: str) -> _Stream:
+    def _open(self, request_id: str, num_choices: int = 1) -> _Stream:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use on {self.name}")
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), num_choices)
         self._streams[request_id] = stream
         return stream
 
@@ -399,19 +410,36 @@ class EngineWorker:
                 self._wake.clear()
 
     def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
+        """The new tokens of one choice, as an event on its request's stream."""
+        request_id = output.parent_request_id or output.request_id
+        stream = self._streams.get(request_id)
         if stream is None:
             return  # its caller went away; the request was aborted by _close
-        new = output.token_ids[stream.num_sent :]
+        index = output.index
+        sent = stream.num_sent.get(index, 0)
+        new = output.token_ids[sent:]
+        if output.finish_reason is not None:
+            stream.finished.add(index)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and index == 0 and sent == 0:
+            prompt_logprobs = [
+                None if lp is None else lp.to_wire() for lp in output.prompt_logprobs
+            ]
         event = TokenEvent(
-            output.request_id,
-            stream.num_sent,
+            request_id,
+            sent,
             list(new),
             output.finish_reason,
             output.num_cached_tokens,
             output.error,
+            index=index,
+            last=len(stream.finished) >= stream.num_choices,
+            logprobs=(
+                None if output.logprobs is None else [lp.to_wire() for lp in output.logprobs[sent:]]
+            ),
+            prompt_logprobs=prompt_logprobs,
         )
-        stream.num_sent += len(new)
+        stream.num_sent[index] = sent + len(new)
         stream.ended = event.finished
         stream.put(event)
 
@@ -468,5 +496,5 @@ class EngineWorker:
         for request_id, stream in streams:
             with self.lock:
                 self.engine.abort(request_id)
-            stream.put(TokenEvent(request_id, stream.num_sent, finish_reason="error", error=reason))
+            stream.end(request_id, "error", reason)
         return len(streams)

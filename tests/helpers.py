@@ -168,6 +168,32 @@ def hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt])).logits[0].float()
 
 
+@torch.no_grad()
+def hf_logprobs(model: Any, prompt: list[int]) -> torch.Tensor:
+    """(len(prompt), vocab) float32 log-probabilities: row i predicts token i + 1."""
+    return torch.log_softmax(hf_logits(model, prompt), dim=-1)
+
+
+def engine_logprobs(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The engine's (len(prompt), vocab) log-probabilities per prompt, row i predicting token
+    i + 1: every prompt row through `prompt_logprobs`, the last (the first generated token's
+    distribution) through `logprobs`, both over the whole vocabulary (the LLM needs
+    max_logprobs=-1)."""
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=vocab, prompt_logprobs=vocab
+    )
+    tables = []
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        rows = [*output.prompt_logprobs[1:], output.logprobs[0]]
+        table = torch.full((len(rows), vocab), float("nan"))
+        for index, entry in enumerate(rows):
+            ids, values = zip(*entry.top, strict=True)
+            table[index, list(ids)] = torch.tensor(values)
+        tables.append(table)
+    return tables
+
+
 def assert_pools_at_baseline(engine: Any) -> None:
     """Integrity holds, nothing is held by a request, and once the prefix cache is cleared
     every block and slot is free again."""

@@ -26,7 +26,8 @@ from hybridserve.transceiver.layout import PeerLayout
 
 # 2: layouts carry the model's KV head and Mamba group totals (replicated shards).
 # 3: Hello carries the decode ranks' shard addresses; ShardStart opens a rank pair's data.
-PROTOCOL_VERSION = 3
+# 4: SamplingState carries the n > 1 choices' seeds and first tokens, and first-token logprobs.
+PROTOCOL_VERSION = 4
 # Largest control message accepted (a TransferRequest carries the prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -64,6 +65,12 @@ class SamplingState:
     params: dict[str, Any]
     sample_seed: int
     stop_token_ids: list[int]
+    # n > 1: the other choices' seeds and the first tokens the sender drew for them (the
+    # receiver forks them); logprobs of the first token(s) when asked for, each as
+    # [token id, logprob, [[id, logprob], ...]], the request's own first.
+    choice_seeds: list[int] = field(default_factory=list)
+    fork_token_ids: list[int] = field(default_factory=list)
+    first_logprobs: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,12 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="requests running at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step (the budget)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    max_logprobs: int = Field(
+        20,
+        ge=-1,
+        description="most logprobs / prompt_logprobs a request may ask for (-1: the whole "
+        "vocabulary)",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV pool size in bytes (alternative to num_kv_blocks)"

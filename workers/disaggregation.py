@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -37,10 +38,12 @@ from hybridserve.workers.cache.hashing import block_hashes
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.model_runner import DTYPES
 from hybridserve.workers.models.config import HybridModelConfig
+from hybridserve.workers.outputs import TokenLogprobs
 from hybridserve.workers.parallel import local_conv_sections, local_kv_heads
 from hybridserve.workers.request import Request
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.scheduler import Scheduler
+from hybridserve.workers.structured_output import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,11 @@ class PrefillHandoffs:
                 params=params.model_dump(mode="json"),
                 sample_seed=request.sample_seed,
                 stop_token_ids=sorted(request.stop_token_ids),
+                choice_seeds=list(request.choice_seeds),
+                fork_token_ids=list(request.fork_token_ids),
+                first_logprobs=[
+                    lp.to_wire() for lp in (*request.logprobs, *request.fork_logprobs) if lp
+                ],
             ),
             num_cached_tokens=request.num_cached_tokens,
             compatibility_hash=self.compatibility_hash,
@@ -157,8 +165,11 @@ class DecodeReceives:
         max_model_len: int,
         compatibility_hash: str,
         failure_policy: str,
+        compile: Callable[[SamplingParams], Grammar | None],
         quarantine_seconds: float = 5.0,
     ) -> None:
+        """`compile` builds a request's grammar (structured output) from its parameters."""
+        self.compile = compile
         self.scheduler = scheduler
         self.cache = cache
         self.vocab_size = vocab_size
@@ -199,10 +210,18 @@ class DecodeReceives:
                 f"tokens leave no room under max_model_len="
                 f"{self.max_model_len}",
             )
+        sampling = message.sampling
+        lists = (sampling.stop_token_ids, sampling.choice_seeds, sampling.fork_token_ids)
+        if not all(isinstance(v, list) for v in (*lists, sampling.first_logprobs)):
+            raise TransferRejected(
+                "invalid_request",
+                f"request {request_id}: stop_token_ids, choice_seeds, fork_token_ids and "
+                "first_logprobs must be lists",
+            )
         bad = next(
             (
                 t
-                for t in (*prompt, message.first_token)
+                for t in (*prompt, message.first_token, *sampling.fork_token_ids)
                 if not isinstance(t, int) or not 0 <= t < self.vocab_size
             ),
             None,
@@ -226,26 +245,49 @@ class DecodeReceives:
             raise TransferRejected(
                 "invalid_request", f"request {request_id}: bad sampling parameters: {exc}"
             ) from exc
-        seed, stop_ids = message.sampling.sample_seed, message.sampling.stop_token_ids
-        if not (
-            isinstance(stop_ids, list)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in [seed, *stop_ids])
-        ):
+        integers = [sampling.sample_seed, *sampling.stop_token_ids, *sampling.choice_seeds]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in integers):
             # NOTE: the sampler would raise on them mid-step, taking every request down.
             raise TransferRejected(
                 "invalid_request",
-                f"request {request_id}: sample_seed and stop_token_ids must be integers, got "
-                f"{seed!r} and {stop_ids!r}",
+                f"request {request_id}: sample_seed, stop_token_ids and choice_seeds must be "
+                f"integers, got {sampling.sample_seed!r}, {sampling.stop_token_ids!r} and "
+                f"{sampling.choice_seeds!r}",
             )
+        if len(sampling.choice_seeds) != params.n - 1 or len(sampling.fork_token_ids) not in (
+            0,
+            params.n - 1,
+        ):
+            raise TransferRejected(
+                "invalid_request",
+                f"request {request_id}: n={params.n} needs {params.n - 1} choice seeds and as "
+                f"many forked first tokens, got {len(sampling.choice_seeds)} and "
+                f"{len(sampling.fork_token_ids)}",
+            )
+        try:
+            first_logprobs = [TokenLogprobs.from_wire(lp) for lp in sampling.first_logprobs]
+            grammar = self.compile(params)
+        except (TypeError, ValueError) as exc:
+            raise TransferRejected(
+                "invalid_request", f"request {request_id}: bad sampling state: {exc}"
+            ) from exc
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             sampling_params=params,
-            stop_token_ids=frozenset(message.sampling.stop_token_ids),
-            sample_seed=message.sampling.sample_seed,
+            stop_token_ids=frozenset(sampling.stop_token_ids),
+            sample_seed=sampling.sample_seed,
             cache_salt=message.cache_salt,
+            choice_seeds=tuple(sampling.choice_seeds),
+            fork_token_ids=tuple(sampling.fork_token_ids),
+            grammar=grammar,
         )
         request.token_ids.append(message.first_token)
+        if params.logprobs is not None and first_logprobs:
+            request.logprobs.append(first_logprobs[0])
+            request.fork_logprobs = tuple(first_logprobs[1:])
+        else:
+            request.fork_logprobs = (None,) * len(request.fork_token_ids)
         request.num_cached_tokens = message.num_cached_tokens
         reserved = self.cache.allocate_received(request, message.block_hashes, len(prompt))
         if reserved is None:
@@ -264,15 +306,16 @@ class DecodeReceives:
         self.receiving[request_id] = Receiving(request, plan)
         return plan
 
-    def complete(self, request_id: str) -> Request:
-        """The data has fully arrived: the request continues from the state after its prompt."""
+    def complete(self, request_id: str) -> tuple[Request, list[Request]]:
+        """The data has fully arrived: the request continues from the state after its prompt,
+        and its other choices (n > 1) fork from it. Returns (the request, those choices)."""
         receiving = self.receiving.pop(request_id, None)
         if receiving is None:
             raise TransferRejected(
                 "unknown_request", f"no transfer in progress for request {request_id!r}"
             )
-        self.scheduler.finish_receiving(receiving.request)
-        return receiving.request
+        choices = self.scheduler.finish_receiving(receiving.request)
+        return receiving.request, choices
 
     def fail(self, request_id: str, reason: str, *, writer_done: bool) -> Request | None:
         """A transfer failed. Its destination pages go to quarantine (released at once when no

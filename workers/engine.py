@@ -2,7 +2,7 @@
 
 out = scheduler.schedule()              # who runs, how many tokens; out.plan is the step plan
 result = executor.execute(out.plan)     # every rank: cache ops, forward; rank 0 samples
-scheduler.update(out, result.sampled)   # cursors, stop checks, commits, freeing
+scheduler.update(out, result.samples)   # cursors, stop checks, forks, commits, freeing
 
 The executor runs the plan on one rank in this process (`uni`) or on `tensor_parallel_size`
 ranks (`mp`: rank 0 here, the others in their own processes). If a rank dies or hangs, every
@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-
-import torch
 
 from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
 from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
@@ -32,10 +30,11 @@ from hybridserve.workers.forward_batch import StateCaches
 from hybridserve.workers.model_runner import RunnerOutput
 from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.outputs import RequestOutput
-from hybridserve.workers.request import Request, RequestStatus
+from hybridserve.workers.request import CHOICE_SEPARATOR, Request, RequestStatus
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.scheduler import Scheduler
 from hybridserve.workers.step_plan import StepPlan, mix_seed
+from hybridserve.workers.structured_output import Grammar, GrammarCompiler
 from hybridserve.workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +49,13 @@ class Engine:
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.eos_token_ids = frozenset(checkpoint.eos_token_ids)
+        self.grammars = (
+            None
+            if self.tokenizer is None
+            else GrammarCompiler(
+                self.tokenizer, checkpoint.config.vocab_size, sorted(self.eos_token_ids)
+            )
+        )
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > model_max:
@@ -91,6 +97,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            fork_on_sample=config.role != "prefill",
         )
         # Each rank's state, as the transceiver describes it (rank 0's is this process's).
         self.layouts = [
@@ -117,16 +124,15 @@ class Engine:
                 max_model_len=self.max_model_len,
                 compatibility_hash=compatibility,
                 failure_policy=config.transfer_failure_policy,
+                compile=self._grammar,
             )
             if config.role == "decode"
             else None
         )
         self._requests: dict[str, Request] = {}
-        # Requests ended outside `step` (a failed receive under policy "fail"): their final
-        # outputs go out with the next step, so the stream ends with a typed error.
+        # Outputs produced outside `step` (a failed receive under policy "fail", the choices a
+        # completed receive forks): they go out with the next step.
         self._ended: list[RequestOutput] = []
-        self._prompt_logits: dict[str, list[torch.Tensor]] = {}
-        self._num_prompt_tokens: dict[str, int] = {}
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s (%s, %d layers), max_model_len=%d, device=%s, tp=%d (%s)",
@@ -163,12 +169,14 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        return_prompt_logits: bool = False,
         cache_salt: str | None = None,
         stable_prompt_len: int | None = None,
     ) -> str:
         """Queue a request; returns its id. Everything is validated before anything is
-        allocated, so a bad request raises ValueError and leaves the engine untouched."""
+        allocated, so a bad request raises ValueError and leaves the engine untouched.
+
+        With `params.n` > 1 the request's choices fork from it once its prompt is computed;
+        their outputs carry `index` and `parent_request_id`, and ids "<id>#<index>"."""
         self._raise_if_dead()
         params = params or SamplingParams()
         if request_id is None:
@@ -176,37 +184,73 @@ class Engine:
             request_id = next(i for i in (f"req-{n}" for n in self._ids) if i not in self._requests)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if CHOICE_SEPARATOR in request_id:
+            raise ValueError(
+                f"request id {request_id!r} contains {CHOICE_SEPARATOR!r}, which names the "
+                "choices of n > 1 requests"
+            )
         token_ids = self.tokenize(prompt)
         self._validate_prompt(request_id, token_ids)
+        self._validate_params(request_id, params)
+        grammar = self._grammar(params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seed = (
-            params.seed
-            if params.seed is not None
-            else mix_seed(
-                self.config.seed,
-                int.from_bytes(
-                    hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"
-                ),
-            )
-        )
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             stop_token_ids=frozenset(stop_ids),
-            sample_seed=seed,
+            sample_seed=self._seed(params, request_id, 0),
             cache_salt=cache_salt,
             stable_prompt_len=stable_prompt_len,
-            keep_logits=return_prompt_logits,
+            choice_seeds=tuple(
+                self._seed(params, request_id, index) for index in range(1, params.n)
+            ),
+            grammar=grammar,
         )
         self._requests[request_id] = request
-        if return_prompt_logits:
-            self._prompt_logits[request_id] = []
-            self._num_prompt_tokens[request_id] = len(token_ids)
         self.scheduler.add(request)
         return request_id
+
+    def _seed(self, params: SamplingParams, request_id: str, index: int) -> int:
+        """Choice `index`'s sampling seed: seed + index, or derived from the engine seed and
+        the choice's id (so choice 0 of an n > 1 request draws as the same request with n =
+        1)."""
+        seed = params.choice_seed(index)
+        if seed is not None:
+            return seed
+        choice_id = request_id if index == 0 else f"{request_id}{CHOICE_SEPARATOR}{index}"
+        digest = hashlib.blake2b(choice_id.encode(), digest_size=8).digest()
+        return mix_seed(self.config.seed, int.from_bytes(digest, "little"))
+
+    def _validate_params(self, request_id: str, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", list(params.stop_token_ids)),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"request {request_id}: {name} names token id {bad}, outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"request {request_id}: {name}={value} is more than this engine returns "
+                    f"(max_logprobs={limit})"
+                )
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        if params.structured_output is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured output needs the checkpoint's tokenizer.json")
+        return self.grammars.compile(params.structured_output)
 
     def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:
@@ -231,7 +275,8 @@ class Engine:
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and release what it holds; None if unknown."""
+        """Stop a request (every choice of it) wherever it is and release what it holds;
+        the output of `request_id` itself, or None if unknown."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
@@ -239,8 +284,10 @@ class Engine:
             self.handoffs.release(request_id, "aborted")
         elif request.status is RequestStatus.RECEIVING and self.receives is not None:
             self.receives.fail(request_id, "aborted", writer_done=False)
-        self.scheduler.finish(request, "abort")
-        self._forget(request_id)
+        if not request.is_finished:
+            self.scheduler.finish(request, "abort")
+        for choice in [r for r in self._requests.values() if r.parent_id == request_id]:
+            self.abort(choice.request_id)
         self._publish_cache_events()
         return request.to_output()
 
@@ -270,26 +317,22 @@ class Engine:
                 )
             self._execute(out.plan)  # data moves only (if any), e.g. a finished commit's
             return ended  # otherwise waiting for transfers to release their pages
-        for request in out.preempted:  # recomputed from scratch: collected logits start over
-            if request.request_id in self._prompt_logits:
-                self._prompt_logits[request.request_id] = []
         result = self._execute(out.plan)
         if result is None:
             return ended + self._take_ended()  # a rank failed: every request ended
-        for request_id, logits in result.chunk_logits.items():
-            self._prompt_logits[request_id].append(logits)
+        for item in out.scheduled:
+            scored = result.prompt_logprobs.get(item.request.request_id)
+            if scored:
+                item.request.record_prompt_logprobs(scored)
         outputs = ended
-        for request in self.scheduler.update(out, result.sampled):
-            output = request.to_output()
+        for request in self.scheduler.update(out, result.samples):
+            outputs.append(self._output(request))
             if request.is_finished:
-                del self._requests[request.request_id]
-                if self.tokenizer is not None:
-                    output.text = self.tokenizer.decode(output.token_ids)
-            elif self.handoffs is not None and request.num_output_tokens == 1:
+                continue
+            if self.handoffs is not None and request.num_output_tokens == 1:
                 # Prefill role: the prompt is done and the first token sampled; decode
                 # continues elsewhere from exactly this state.
                 self.handoffs.hand_off(request)
-            outputs.append(output)
         self._sweep_transfers()
         self._publish_cache_events()
         if not self.scheduler.has_unfinished():
@@ -332,9 +375,18 @@ class Engine:
             self.scheduler.finish(request, "error")
             request.error = f"the engine stopped: {reason}"
             self._ended.append(request.to_output())
-            self._forget(request.request_id)
         self._requests.clear()
         self.executor.shutdown()
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's output now; a finished request leaves the engine (with its text)."""
+        self._requests.setdefault(request.request_id, request)  # a new choice
+        output = request.to_output()
+        if request.is_finished:
+            del self._requests[request.request_id]
+            if self.tokenizer is not None:
+                output.text = self.tokenizer.decode(output.token_ids)
+        return output
 
     def _take_ended(self) -> list[RequestOutput]:
         ended, self._ended = self._ended, []
@@ -383,9 +435,15 @@ class Engine:
         return plan
 
     def complete_receive(self, request_id: str) -> None:
+        """The transfer landed: the request decodes from here; the choices its prefill engine
+        drew fork from it now (their first outputs go out with the next step)."""
         assert self.receives is not None, "complete_receive needs role=decode"
-        self.receives.complete(request_id)
-        self._apply_decided_ops()  # the received prompt's commit: its snapshot copy
+        request, choices = self.receives.complete(request_id)
+        for choice in choices:
+            self._ended.append(self._output(choice))
+        if request.is_finished:  # its first token ended it (decided here for n > 1)
+            self._ended.append(self._output(request))
+        self._apply_decided_ops()  # the received prompt's commit (its snapshot copy), forks
 
     def fail_receive(
         self, request_id: str, reason: str, *, writer_done: bool
@@ -463,16 +521,6 @@ class Engine:
         """Drop every cached block and snapshot (running requests keep what they hold)."""
         self.cache.clear()
         self._publish_cache_events()
-
-    def take_prompt_logits(self, request_id: str) -> torch.Tensor:
-        """Logits (num_prompt_tokens, vocab) of a finished request added with
-        `return_prompt_logits=True`: row i predicts token i + 1."""
-        logits = torch.cat(self._prompt_logits.pop(request_id))
-        return logits[: self._num_prompt_tokens.pop(request_id)]
-
-    def _forget(self, request_id: str) -> None:
-        self._prompt_logits.pop(request_id, None)
-        self._num_prompt_tokens.pop(request_id, None)
 
     def check_integrity(self) -> None:
         """The caches' bookkeeping, and every rank against rank 0 (plans executed, pools)."""

@@ -6,7 +6,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from hybridserve.workers.config import EngineConfig
@@ -89,30 +88,29 @@ class LLM:
         finished = self._run(request_ids, use_tqdm, "chatting")
         return [finished[i] for i in request_ids]
 
-    def prompt_logits(self, prompts: Sequence[list[int]]) -> list[torch.Tensor]:
-        """Float32 logits (num_prompt_tokens, vocab) for each prompt: row i predicts token i+1."""
-        request_ids = [
-            self.engine.add_request(
-                list(p), SamplingParams(max_tokens=1), return_prompt_logits=True
-            )
-            for p in prompts
-        ]
-        self._run(request_ids, False, "scoring")
-        return [self.engine.take_prompt_logits(i) for i in request_ids]
-
     def _run(
         self, request_ids: list[str], use_tqdm: bool | None, what: str
     ) -> dict[str, RequestOutput]:
+        """Step until every request (every choice of each) finished; request id -> output,
+        with an n > 1 request's choices in `choices` (itself first)."""
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         finished: dict[str, RequestOutput] = {}
+        choices: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(request_ids), desc=what, unit="req", disable=not show) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
+                    if not output.finished:
+                        continue
+                    parent = output.parent_request_id or output.request_id
+                    choices.setdefault(parent, []).append(output)
+                    if output.parent_request_id is None:
                         finished[output.request_id] = output
                         bar.update(1)
         if self.engine.dead is not None:
             raise RuntimeError(f"generation failed: {self.engine.dead}")
+        for request_id, output in finished.items():
+            if len(choices[request_id]) > 1:
+                output.choices = sorted(choices[request_id], key=lambda o: o.index)
         return finished
 
 

@@ -17,13 +17,14 @@ from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.outputs import Sample, TokenLogprobs
 from hybridserve.workers.parallel import (
     ParallelContext,
     local_conv_sections,
     local_kv_heads,
 )
 from hybridserve.workers.pool_memory import zeroed_pool
-from hybridserve.workers.sampler import Sampler
+from hybridserve.workers.sampler import Sampler, prompt_logprobs
 from hybridserve.workers.step_plan import ScheduledChunk, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,9 @@ class PoolSizes:
 
 @dataclass
 class RunnerOutput:
-    sampled: list[int | None]  # per plan chunk, in plan order
-    # request id -> logits (chunk_len, vocab) of every token of this step's chunk, for
-    # chunks with keep_logits.
-    chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    samples: list[Sample | None]  # per plan chunk, in plan order
+    # request id -> the prompt tokens this step's chunk scored (chunks with prompt_logprobs).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def resolve_device(device: str, index: int = 0) -> torch.device:
@@ -194,22 +194,27 @@ class ModelRunner:
         if logits is None:
             return None  # not the driver: rank 0 samples
 
-        sampled: list[int | None] = [None] * len(items)
-        chunk_logits: dict[str, torch.Tensor] = {}
+        samples: list[Sample | None] = [None] * len(items)
+        scored: dict[str, list[TokenLogprobs]] = {}
         sample_positions: list[int] = []
         sample_rows: list[int] = []
         for position, (chunk, (first, last)) in enumerate(zip(items, row_ranges, strict=True)):
-            if chunk.keep_logits:
-                chunk_logits[chunk.request_id] = logits[first : last + 1]
+            if chunk.prompt_logprobs is not None:
+                targets = chunk.token_ids[1:]
+                if chunk.next_token_id is not None:
+                    targets.append(chunk.next_token_id)
+                scored[chunk.request_id] = prompt_logprobs(
+                    logits[first : last + 1], targets, chunk.prompt_logprobs
+                )
             if chunk.sampling is not None:
                 sample_positions.append(position)
                 sample_rows.append(last)
         if sample_rows:
             rows = [items[p].sampling for p in sample_positions]
-            tokens = self.sampler.sample(logits[sample_rows], rows)  # type: ignore[arg-type]
-            for position, token in zip(sample_positions, tokens, strict=True):
-                sampled[order[position]] = token
-        return RunnerOutput(sampled=sampled, chunk_logits=chunk_logits)
+            drawn = self.sampler.sample(logits[sample_rows], rows)  # type: ignore[arg-type]
+            for position, sample in zip(sample_positions, drawn, strict=True):
+                samples[order[position]] = sample
+        return RunnerOutput(samples=samples, prompt_logprobs=scored)
 
     def _build_batch(
         self, items: list[ScheduledChunk]
@@ -242,7 +247,7 @@ class ModelRunner:
                 cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
                 initial_slots.append(chunk.slot if start > 0 else -1)
             first_row = len(logits_indices)
-            if chunk.keep_logits:
+            if chunk.prompt_logprobs is not None:
                 logits_indices.extend(range(token_offset, len(input_ids)))
             elif chunk.sampling is not None:
                 logits_indices.append(len(input_ids) - 1)

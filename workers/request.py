@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from hybridserve.workers.outputs import FinishReason, RequestOutput
+from hybridserve.workers.outputs import FinishReason, RequestOutput, TokenLogprobs
 from hybridserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridserve.workers.structured_output import Grammar
+
+# Choice i > 0 of request "r" is request "r#i" inside the engine.
+CHOICE_SEPARATOR = "#"
 
 
 class RequestStatus(enum.Enum):
@@ -39,8 +46,6 @@ class Request:
     sample_seed: int
     # Reuse scope: requests with different salts (tenants) never share cached blocks.
     cache_salt: str | None = None
-    # Prompt scoring: the logits of every prompt token come back, so none may be reused.
-    keep_logits: bool = False
     # For chat requests: tokens of the conversation rendered without the generation prompt,
     # when those are a true prefix of the prompt (where the next turn will diverge).
     stable_prompt_len: int | None = None
@@ -54,6 +59,22 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # why, when finish_reason is "error"
+    # n > 1: choice `index` of the request `parent_id` forked from (None: the request itself,
+    # which is choice 0). `choice_seeds` are the sampling seeds of choices 1..n-1, whose first
+    # tokens are drawn with this request's first; `fork_token_ids` are those first tokens
+    # while drawn but not yet forked (a prefill engine hands them to the decode engine, which
+    # forks there).
+    index: int = 0
+    parent_id: str | None = None
+    choice_seeds: tuple[int, ...] = ()
+    fork_token_ids: tuple[int, ...] = ()
+    fork_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # Structured output: where the output stands in its grammar (None: unconstrained).
+    grammar: Grammar | None = None
+    # With logprobs: one per output token. With prompt_logprobs: one per prompt token scored
+    # so far (the first prompt token has none), so prefix reuse is off for such requests.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +104,41 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def new_choice(self, index: int) -> Request:
+        """Choice `index` of this n > 1 request, before its first token: same prompt, same
+        parameters, its own seed, and a copy of the grammar state (taken before this request
+        accepts its own first token)."""
+        choice = Request(
+            request_id=f"{self.request_id}{CHOICE_SEPARATOR}{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            stop_token_ids=self.stop_token_ids,
+            sample_seed=self.choice_seeds[index - 1],
+            cache_salt=self.cache_salt,
+            stable_prompt_len=self.stable_prompt_len,
+            index=index,
+            parent_id=self.request_id,
+        )
+        choice.num_cached_tokens = self.num_cached_tokens
+        choice.expect_snapshot_points = self.expect_snapshot_points
+        choice.prompt_logprobs = list(self.prompt_logprobs)
+        choice.grammar = None if self.grammar is None else self.grammar.fork()
+        return choice
+
+    def record_prompt_logprobs(self, scored: list[TokenLogprobs]) -> None:
+        """Logprobs a chunk starting at `num_computed_tokens` scored (row i: token start + i
+        + 1); keeps only the prompt tokens not scored yet (a recompute scores some again)."""
+        start = self.num_computed_tokens
+        for offset, logprobs in enumerate(scored):
+            position = start + 1 + offset
+            if position < self.num_prompt_tokens and position == len(self.prompt_logprobs) + 1:
+                self.prompt_logprobs.append(logprobs)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt scoring needs the logits of every prompt token: nothing is reused."""
+        return self.sampling_params.prompt_logprobs is not None
+
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -91,4 +147,12 @@ class Request:
             finish_reason=self.finish_reason,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            logprobs=None if self.sampling_params.logprobs is None else list(self.logprobs),
+            prompt_logprobs=(
+                None
+                if self.sampling_params.prompt_logprobs is None
+                else [None, *self.prompt_logprobs]
+            ),
+            index=self.index,
+            parent_request_id=self.parent_id,
         )

@@ -1,43 +1,206 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible per (seed, position).
+"""Token sampling over a batch of logits rows (docs/sampling.md).
 
-Each sampled row draws its noise from a generator seeded by the request's seed and the output
-position, so a request yields the same tokens whatever else is in the batch, after a preemption,
-or on another engine (disaggregated decode).
+Every control is a tensor operation over the whole batch: logit bias, banned tokens and the
+structured-output mask are scattered in, penalties come from token-count tensors, and the
+filters (top-k, top-p, min-p) work on one sort of the batch. Only the final draw is per row:
+each row draws its noise from a generator seeded by the request's seed mixed with the output
+position, so a request yields the same tokens whatever else is in the batch, after a
+preemption, or on another engine (disaggregated decode).
+
+A row may carry several seeds (the n choices of a request fork at its prompt's last row): it
+is expanded into one row per seed before anything else, so every draw is an ordinary row.
+
+Logprobs are those of the raw model distribution (the log-softmax of the logits before any
+processing), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridserve.workers.outputs import Sample, TokenLogprobs
 from hybridserve.workers.step_plan import SamplingRow
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """logits (R, V) float32 -> one token id per row."""
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            if row.temperature > 0.0:
-                tokens[i] = self._sample_row(logits[i], row)
-        return tokens
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
+        """logits (R, V) float32, one row per SamplingRow -> one Sample per row."""
+        counts = [len(row.seeds) for row in rows]
+        source = torch.repeat_interleave(
+            torch.arange(len(rows), device=logits.device),
+            torch.tensor(counts, device=logits.device),
+        )
+        draws = [(row, seed) for row in rows for seed in row.seeds]
+        work = logits.index_select(0, source).float()
+        expanded = [row for row, _ in draws]
+        _apply_bias_and_masks(work, expanded)
+        _apply_penalties(work, expanded)
+        tokens = work.argmax(dim=-1)
+        random = [i for i, (row, _) in enumerate(draws) if row.temperature > 0.0]
+        if random:
+            picked = torch.tensor(random, device=work.device)
+            drawn = _draw(work[picked], [draws[i] for i in random])
+            tokens[picked] = drawn
+        token_list = tokens.tolist()
+        logprobs = _logprobs(logits, source, tokens, expanded)
+        samples = []
+        first = 0
+        for row, count in zip(rows, counts, strict=True):
+            span = slice(first, first + count)
+            samples.append(
+                Sample(
+                    tuple(token_list[span]),
+                    None if row.num_logprobs is None else tuple(logprobs[span]),  # type: ignore[index]
+                )
+            )
+            first += count
+        return samples
 
-    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
-        logits = logits / row.temperature
-        if row.top_k is not None and row.top_k < logits.shape[0]:
-            threshold = logits.topk(row.top_k).values[-1]
-            logits = logits.masked_fill(logits < threshold, float("-inf"))
-        if row.top_p < 1.0:
-            sorted_logits, order = logits.sort(descending=True)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # Drop a token when the ones before it already reach top_p (the top token stays).
-            drop = (cumulative - sorted_logits.softmax(dim=-1)) >= row.top_p
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(dim=-1)
-        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        generator = torch.Generator(device=probs.device).manual_seed(row.seed)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+
+def _apply_bias_and_masks(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Logit bias, banned tokens (-inf) and the structured-output mask, in place."""
+    vocab = work.shape[1]
+    bias = [(i, t, b) for i, row in enumerate(rows) for t, b in row.logit_bias]
+    if bias:
+        index_rows, token_ids, values = zip(*bias, strict=True)
+        work.index_put_(
+            (torch.tensor(index_rows), torch.tensor(token_ids)),
+            torch.tensor(values, dtype=work.dtype),
+            accumulate=True,
+        )
+    banned = [(i, t) for i, row in enumerate(rows) for t in row.banned_token_ids]
+    if banned:
+        index_rows, token_ids = zip(*banned, strict=True)
+        work[torch.tensor(index_rows), torch.tensor(token_ids)] = float("-inf")
+    masked = [i for i, row in enumerate(rows) if row.allowed_token_bitmask is not None]
+    if masked:
+        words = torch.stack(
+            [
+                torch.frombuffer(bytearray(rows[i].allowed_token_bitmask), dtype=torch.int32)  # type: ignore[arg-type]
+                for i in masked
+            ]
+        )
+        allowed = ((words[:, :, None] >> _BIT_SHIFTS) & 1).bool().flatten(1)[:, :vocab]
+        index = torch.tensor(masked)
+        work[index] = work[index].masked_fill(~allowed.to(work.device), float("-inf"))
+
+
+def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + output tokens), frequency and presence (output tokens), in place,
+    for the rows that use them."""
+    penalised = [
+        i
+        for i, row in enumerate(rows)
+        if row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0
+    ]
+    if not penalised:
+        return
+    vocab = work.shape[1]
+    index = torch.tensor(penalised, device=work.device)
+    chosen = [rows[i] for i in penalised]
+    output_counts = _token_counts([r.output_token_ids for r in chosen], vocab, work.device)
+    prompt_counts = _token_counts([r.prompt_token_ids for r in chosen], vocab, work.device)
+    logits = work[index]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    repetition = column([r.repetition_penalty for r in chosen])
+    seen = (output_counts + prompt_counts) > 0
+    penalised_logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised_logits, logits)
+    logits = logits - column([r.frequency_penalty for r in chosen]) * output_counts
+    logits = logits - column([r.presence_penalty for r in chosen]) * (output_counts > 0)
+    work[index] = logits
+
+
+def _token_counts(
+    token_lists: list[tuple[int, ...]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """(rows, vocab) float counts of each row's token ids."""
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    width = max((len(t) for t in token_lists), default=0)
+    if width:
+        # Pad with a sink column (vocab) that is dropped afterwards.
+        padded = torch.tensor(
+            [list(t) + [vocab] * (width - len(t)) for t in token_lists], device=device
+        )
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _draw(logits: torch.Tensor, draws: list[tuple[SamplingRow, int]]) -> torch.Tensor:
+    """One token per row: temperature, then top-k, top-p and min-p on one sort, then the
+    exponential race with the row's own seeded noise."""
+    rows = [row for row, _ in draws]
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], device=device)[:, None]
+    logits = logits / temperature
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    top_k = torch.tensor([r.top_k or vocab for r in rows], device=device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
+    if (top_p < 1.0).any():
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the ones before it already reach top_p (the top token stays).
+        drop = ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    min_p = torch.tensor([r.min_p for r in rows], device=device)[:, None]
+    if (min_p > 0.0).any():
+        probs = sorted_logits.softmax(dim=-1)
+        sorted_logits = sorted_logits.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = filtered.softmax(dim=-1)
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+    noise = torch.empty_like(probs)
+    for i, (_, seed) in enumerate(draws):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        noise[i].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, source: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Per expanded row that asked: the drawn token's raw logprob and the top N."""
+    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=logits.device)
+    raw = torch.log_softmax(logits.index_select(0, source[index]).float(), dim=-1)
+    chosen = raw.gather(1, tokens[index][:, None])[:, 0].tolist()
+    width = max(rows[i].num_logprobs or 0 for i in wanted)
+    top_values, top_ids = raw.topk(min(width, raw.shape[1]), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list = tokens.tolist()
+    for position, i in enumerate(wanted):
+        count = rows[i].num_logprobs or 0
+        top = tuple(zip(top_ids[position][:count], top_values[position][:count], strict=True))
+        result[i] = TokenLogprobs(token_list[i], chosen[position], top)
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Row i of `logits` scores `targets[i]` (the prompt token it predicts): its raw logprob
+    and the top `num_top` of the row."""
+    if not targets:
+        return []
+    raw = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    index = torch.tensor(targets, device=raw.device)[:, None]
+    chosen = raw.gather(1, index)[:, 0].tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if num_top:
+        values, ids = raw.topk(min(num_top, raw.shape[1]), dim=-1)
+        top = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    return [
+        TokenLogprobs(token, logprob, best)
+        for token, logprob, best in zip(targets, chosen, top, strict=True)
+    ]

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridserve.workers.cache.coordinator import CacheCoordinator
-from hybridserve.workers.outputs import FinishReason
+from hybridserve.workers.outputs import FinishReason, Sample, TokenLogprobs
 from hybridserve.workers.request import Request, RequestStatus
 from hybridserve.workers.step_plan import SamplingRow, ScheduledChunk, StepPlan, mix_seed
 
@@ -64,8 +64,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        fork_on_sample: bool = True,
     ) -> None:
         self.cache = cache
+        # n > 1 choices fork where their first tokens are drawn; a prefill engine leaves that
+        # to the decode engine it hands the request to (fork_received).
+        self.fork_on_sample = fork_on_sample
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -73,7 +77,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         # Handed off (prefill role) or receiving (decode role): holding pages for a transfer.
         self.transferring: dict[str, Request] = {}
-        self.num_preemptions = 0  # since start, for metrics
+        # Since start, for metrics and tests: preemptions, prompt tokens run through the model
+        # (recomputation included, reuse and received state not) and choices forked in place.
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_forks = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -117,15 +125,18 @@ class Scheduler:
     def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
         request = item.request
         start = request.num_computed_tokens
+        end = start + item.num_new_tokens
         request_id = request.request_id
+        scores = request.scores_prompt and start < request.num_prompt_tokens - 1
         return ScheduledChunk(
             request_id=request_id,
-            token_ids=request.token_ids[start : start + item.num_new_tokens],
+            token_ids=request.token_ids[start:end],
             start=start,
             block_ids=list(self.cache.block_table(request_id)),
             slot=self.cache.live_slot(request_id),
             sampling=_sampling_row(request) if item.samples else None,
-            keep_logits=request.keep_logits,
+            prompt_logprobs=request.sampling_params.prompt_logprobs if scores else None,
+            next_token_id=request.token_ids[end] if scores and end < request.num_tokens else None,
         )
 
     def chunk_size(self, request: Request, budget: int, position: int) -> int:
@@ -182,22 +193,82 @@ class Scheduler:
             "request %s preempted (KV pool full); it will be recomputed", request.request_id
         )
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance cursors after the model ran; append sampled tokens; return requests that
-        changed visibly (got a token or finished)."""
+    def update(self, out: SchedulerOutput, samples: list[Sample | None]) -> list[Request]:
+        """Advance cursors after the model ran; append sampled tokens (forking the choices of
+        n > 1 requests); return requests that changed visibly (got a token or finished), new
+        choices included."""
         changed = []
-        for item, token in zip(out.scheduled, sampled, strict=True):
+        for item, sample in zip(out.scheduled, samples, strict=True):
             request = item.request
+            before = min(request.num_computed_tokens, request.num_prompt_tokens)
             request.num_computed_tokens += item.num_new_tokens
+            after = min(request.num_computed_tokens, request.num_prompt_tokens)
+            self.num_prompt_tokens_computed += after - before
             self.cache.commit(request)
-            if token is None:
+            if sample is None:
                 continue
-            request.token_ids.append(token)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason)
+            logprobs = sample.logprobs or (None,) * len(sample.token_ids)
+            forks = list(zip(sample.token_ids[1:], logprobs[1:], strict=True))
+            if forks and self.fork_on_sample:
+                changed += self.fork(request, forks)
+            elif forks:
+                # Handed to the decode engine, which forks them and decides whether this
+                # first token ends the request (finish_receiving).
+                request.fork_token_ids = tuple(token for token, _ in forks)
+                request.fork_logprobs = tuple(lp for _, lp in forks)
+            self._append(
+                request,
+                sample.token_ids[0],
+                logprobs[0],
+                may_finish=not forks or self.fork_on_sample,
+            )
             changed.append(request)
         return changed
+
+    def _append(
+        self,
+        request: Request,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        *,
+        may_finish: bool = True,
+    ) -> None:
+        """A new output token; finish the request if it ends it."""
+        request.token_ids.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        if may_finish:
+            self._finish_if_done(request)
+
+    def _finish_if_done(self, request: Request) -> None:
+        reason = self._finish_reason(request, request.token_ids[-1])
+        if reason is not None:
+            self.finish(request, reason)
+
+    def fork(
+        self, request: Request, firsts: list[tuple[int, TokenLogprobs | None]]
+    ) -> list[Request]:
+        """The other choices of `request`, each continuing from its state after the prompt
+        with its own first token (drawn from the prompt's last row with its own seed). A choice
+        the pools cannot hold now waits to be recomputed, like a preempted request."""
+        choices = []
+        for index, (token, logprobs) in enumerate(firsts, start=1):
+            choice = request.new_choice(index)
+            if self.cache.fork(request, choice):
+                self.num_forks += 1
+                choice.status = RequestStatus.RUNNING
+                choice.num_computed_tokens = request.num_computed_tokens
+                self.running.append(choice)
+            else:
+                logger.info(
+                    "request %s: choice %d waits for room (recomputed)", request.request_id, index
+                )
+                self.waiting.appendleft(choice)
+            self._append(choice, token, logprobs)
+            choices.append(choice)
+        return choices
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
@@ -247,14 +318,25 @@ class Scheduler:
         request.status = RequestStatus.RECEIVING
         self.transferring[request.request_id] = request
 
-    def finish_receiving(self, request: Request) -> None:
-        """The state after the prompt has fully arrived: the request continues from there."""
+    def finish_receiving(self, request: Request) -> list[Request]:
+        """The state after the prompt has fully arrived: the request continues from there,
+        and the choices its prefill engine drew fork from it here. Returns those choices."""
         del self.transferring[request.request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         request.expect_snapshot_points = self.cache.snapshot_points(request)
         self.cache.commit(request)  # the received prompt becomes reusable here too
         self.running.append(request)
+        forks = list(zip(request.fork_token_ids, request.fork_logprobs, strict=True))
+        request.fork_token_ids, request.fork_logprobs = (), ()
+        choices = self.fork(request, forks) if forks else []
+        # The prefill engine sampled the first token; its grammar state starts after it here
+        # (taken after the forks, which start from the state before it).
+        if request.grammar is not None:
+            request.grammar.accept(request.token_ids[-1])
+        if forks:
+            self._finish_if_done(request)  # the prefill engine left that to this engine
+        return choices
 
     def fail_receiving(self, request: Request, *, recompute: bool, error: str) -> None:
         """The transfer failed (its pages, if it had any here, went to a quarantine): recompute
@@ -272,11 +354,26 @@ class Scheduler:
 
 def _sampling_row(request: Request) -> SamplingRow:
     params = request.sampling_params
-    banned = tuple(request.stop_token_ids) if request.num_output_tokens < params.min_tokens else ()
+    position = request.num_output_tokens
+    banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
+    # The first draw of an n > 1 request also draws its other choices' first tokens.
+    seeds = (request.sample_seed, *(request.choice_seeds if position == 0 else ()))
+    penalised = params.uses_penalties
     return SamplingRow(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seed=mix_seed(request.sample_seed, request.num_output_tokens),
+        seeds=tuple(mix_seed(seed, position) for seed in seeds),
+        min_p=params.min_p,
         banned_token_ids=banned,
+        logit_bias=params.logit_bias,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        output_token_ids=tuple(request.output_token_ids) if penalised else (),
+        prompt_token_ids=(
+            tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
+        ),
+        allowed_token_bitmask=None if request.grammar is None else request.grammar.bitmask(),
+        num_logprobs=params.logprobs,
     )

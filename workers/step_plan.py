@@ -12,6 +12,7 @@ anything: first the cache ops, in order, then one forward pass over the chunks.
                     slot       its live Mamba slot (the state after `start` tokens)
                     sampling   how to sample its next token, when the chunk reaches the end
                                of the known tokens (None: a prompt chunk that does not)
+                    prompt_logprobs  score the prompt tokens the chunk's rows predict
 
 Plans cross process boundaries (the `mp` executor broadcasts them to every rank), so they are
 versioned msgpack values with a round-trip test. See docs/step-plan.md.
@@ -26,7 +27,7 @@ import msgpack
 
 from hybridserve.workers.cache.ops import CacheOp, op_from_wire, op_to_wire
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 _MASK64 = (1 << 64) - 1
 
 
@@ -42,11 +43,26 @@ def mix_seed(*values: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
+    """How to sample from one logits row (sampler.py). Penalties need the tokens they count,
+    so a row that uses them carries them; every other row carries nothing extra."""
+
     temperature: float
     top_p: float
     top_k: int | None
-    seed: int  # already mixed with the output position
+    # One draw per seed, each already mixed with the output position: a request with n > 1
+    # choices draws its n first tokens from its prompt's last row (the fork, docs/sampling.md).
+    seeds: tuple[int, ...]
+    min_p: float = 0.0
     banned_token_ids: tuple[int, ...] = ()  # stop tokens before min_tokens is reached
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    output_token_ids: tuple[int, ...] = ()  # with penalties: the tokens generated so far
+    prompt_token_ids: tuple[int, ...] = ()  # with a repetition penalty: the prompt's tokens
+    # Structured output: bit t of 32-bit word t // 32 (little-endian) allows token t.
+    allowed_token_bitmask: bytes | None = None
+    num_logprobs: int | None = None  # return the drawn token's logprob and the top N
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +73,11 @@ class ScheduledChunk:
     block_ids: list[int]
     slot: int
     sampling: SamplingRow | None = None
-    keep_logits: bool = False  # return the logits of every token (prompt scoring)
+    # Prompt scoring: each row's log-probability of the prompt token it predicts, and the top
+    # N. Row i predicts token start + i + 1: the chunk's own next token, then `next_token_id`
+    # (the token after the chunk, None when the chunk ends the prompt).
+    prompt_logprobs: int | None = None
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +114,8 @@ class StepPlan:
                     c.block_ids,
                     c.slot,
                     None if c.sampling is None else _row_to_wire(c.sampling),
-                    c.keep_logits,
+                    c.prompt_logprobs,
+                    c.next_token_id,
                 ]
                 for c in self.chunks
             ],
@@ -113,9 +134,19 @@ class StepPlan:
                     block_ids=list(block_ids),
                     slot=slot,
                     sampling=None if row is None else _row_from_wire(row),
-                    keep_logits=keep,
+                    prompt_logprobs=prompt_logprobs,
+                    next_token_id=next_token_id,
                 )
-                for rid, token_ids, start, block_ids, slot, row, keep in data["chunks"]
+                for (
+                    rid,
+                    token_ids,
+                    start,
+                    block_ids,
+                    slot,
+                    row,
+                    prompt_logprobs,
+                    next_token_id,
+                ) in data["chunks"]
             ]
             ops = [op_from_wire(op) for op in data["ops"]]
         except (KeyError, TypeError, ValueError) as exc:
@@ -131,9 +162,54 @@ class StepPlan:
 
 
 def _row_to_wire(row: SamplingRow) -> list[Any]:
-    return [row.temperature, row.top_p, row.top_k, row.seed, list(row.banned_token_ids)]
+    return [
+        row.temperature,
+        row.top_p,
+        row.top_k,
+        list(row.seeds),
+        row.min_p,
+        list(row.banned_token_ids),
+        [list(pair) for pair in row.logit_bias],
+        row.presence_penalty,
+        row.frequency_penalty,
+        row.repetition_penalty,
+        list(row.output_token_ids),
+        list(row.prompt_token_ids),
+        row.allowed_token_bitmask,
+        row.num_logprobs,
+    ]
 
 
 def _row_from_wire(data: list[Any]) -> SamplingRow:
-    temperature, top_p, top_k, seed, banned = data
-    return SamplingRow(temperature, top_p, top_k, seed, tuple(banned))
+    (
+        temperature,
+        top_p,
+        top_k,
+        seeds,
+        min_p,
+        banned,
+        bias,
+        presence,
+        frequency,
+        repetition,
+        output_ids,
+        prompt_ids,
+        bitmask,
+        num_logprobs,
+    ) = data
+    return SamplingRow(
+        temperature,
+        top_p,
+        top_k,
+        tuple(seeds),
+        min_p,
+        tuple(banned),
+        tuple((int(t), float(b)) for t, b in bias),
+        presence,
+        frequency,
+        repetition,
+        tuple(output_ids),
+        tuple(prompt_ids),
+        bitmask,
+        num_logprobs,
+    )

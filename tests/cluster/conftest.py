@@ -45,10 +45,21 @@ TP_SERVICE = {
 }
 
 
+# One colocated engine (no prefill engines): the other deployment shape, beside the P/D one.
+COLOCATED_SERVICE = {
+    "num_prefill": 0,
+    "num_decode": 1,
+    "engine": ENGINE,
+    "api_keys": [API_KEY],
+    "torch_threads": 1,
+}
+
+
 @dataclass
 class Service:
     base_url: str
     coordinator: Any
+    shape: str = "disaggregated"  # or "colocated": which engines run a prompt
 
     def topology(self) -> dict[str, Any]:
         return self.coordinator.topology.remote().result()
@@ -84,6 +95,31 @@ def tp_service(service: Service) -> Iterator[Service]:
         yield Service(base_url, local.coordinator(name))
     finally:
         serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def colocated_service(service: Service) -> Iterator[Service]:
+    """A second application on the session's cluster: one colocated engine, under /colocated."""
+    from ray import serve
+
+    from hybridserve.cluster import local
+
+    name = "hybridserve-colocated"
+    url = urlsplit(service.base_url)
+    try:
+        base_url = local.deploy(
+            COLOCATED_SERVICE, url.hostname, url.port, name=name, route_prefix="/colocated"
+        )
+        yield Service(base_url, local.coordinator(name), shape="colocated")
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(params=["colocated", "disaggregated"])
+def deployment(request: pytest.FixtureRequest) -> Service:
+    """Each deployment shape in turn: one colocated engine, then 1 prefill + 2 decode."""
+    name = "colocated_service" if request.param == "colocated" else "service"
+    return request.getfixturevalue(name)
 
 
 # ---- helpers for the service tests -----------------------------------------------------

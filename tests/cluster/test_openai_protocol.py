@@ -64,13 +64,13 @@ def test_chat_content_parts_join_with_newlines():
     messages = [
         {"role": "system", "content": "be brief", "name": "ignored"},
         {"role": "user", "content": content},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": "ok"},
     ]
     request = ChatCompletionRequest.model_validate({"messages": messages})
     assert request.template_messages() == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "ok"},
     ]
 
 
@@ -78,11 +78,35 @@ def test_chat_content_parts_join_with_newlines():
     ("cls", "body", "param", "message"),
     [
         (CompletionRequest, {"prompt": "a", "max_tokens": -3}, "max_tokens",
-         "max_tokens must be at least 1, got -3."),
+         "max_tokens: Input should be greater than or equal to 0"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": 0}, "max_tokens",
+         "max_tokens must be at least 1, got 0 (0 is for scoring a prompt with echo)."),
         (ChatCompletionRequest, {"messages": USER, "max_completion_tokens": 0},
-         "max_completion_tokens", "max_completion_tokens must be at least 1, got 0."),
-        (CompletionRequest, {"prompt": "a", "n": 2}, "n",
-         "n>1 is not supported; send one request per choice."),
+         "max_completion_tokens",
+         "max_completion_tokens: Input should be greater than or equal to 1"),
+        (CompletionRequest, {"prompt": "a", "n": 200}, "n",
+         "n: Input should be less than or equal to 128"),
+        (CompletionRequest, {"prompt": "a", "n": 2, "best_of": 3}, "best_of",
+         "best_of (3) other than n (2) is not supported: every choice generated is returned."),
+        (CompletionRequest, {"prompt": "a", "logprobs": 21}, "logprobs",
+         "logprobs: Input should be less than or equal to 20"),
+        (CompletionRequest, {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty",
+         "presence_penalty: Input should be less than or equal to 2"),
+        (ChatCompletionRequest, {"messages": USER, "top_logprobs": 3}, "top_logprobs",
+         "top_logprobs needs logprobs=true."),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages[0].content",
+         "content is required: every message carries text."),
+        (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": None}]},
+         "messages[0].content", "content is required: every message carries text."),
+        (ChatCompletionRequest,
+         {"messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]},
+         "messages[0].tool_calls",
+         "assistant tool_calls are not supported (tool calling is off)."),
+        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools",
+         "tools: tool calling is not supported by this server (the built-in parsers cover no "
+         "tool format yet); send the request without tools."),
+        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema"}},
+         "response_format", "response_format of type json_schema needs a json_schema object."),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt",
          "prompt holds 2 prompts, but batched prompts are not supported; send one prompt per "
          "request."),

@@ -10,8 +10,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from hybridserve.cluster.openai_protocol import OpenAIError
 from hybridserve.cluster.openai_responses import (
     SSE_DONE,
+    LogprobsFormatter,
     ResponseMeta,
     Usage,
+    choice,
     models_list,
     response_body,
     sse_error,
@@ -19,6 +21,7 @@ from hybridserve.cluster.openai_responses import (
     stream_chunk,
     usage_chunk,
 )
+from hybridserve.workers.outputs import TokenLogprobs
 
 # -- responses ----------------------------------------------------------------------------------
 
@@ -26,7 +29,8 @@ from hybridserve.cluster.openai_responses import (
 def test_completion_body_matches_openai_types():
     meta = ResponseMeta.new("tiny", chat=False)
     assert meta.id.startswith("cmpl-")
-    body = response_body(meta, "hi there", "length", Usage(5, 2, cached_tokens=4))
+    choices = [choice(meta, 0, "hi there", "length")]
+    body = response_body(meta, choices, Usage(5, 2, cached_tokens=4))
     assert body == {
         "id": meta.id,
         "object": "text_completion",
@@ -47,7 +51,7 @@ def test_completion_body_matches_openai_types():
 def test_chat_body_matches_openai_types():
     meta = ResponseMeta.new("tiny", chat=True)
     assert meta.id.startswith("chatcmpl-")
-    body = response_body(meta, "hello", "stop", Usage(3, 1))
+    body = response_body(meta, [choice(meta, 0, "hello", "stop")], Usage(3, 1))
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {
@@ -62,25 +66,24 @@ def test_chat_body_matches_openai_types():
     assert parsed.usage.total_tokens == 4
 
 
+def test_choices_are_ordered_by_index():
+    meta = ResponseMeta("cmpl-1", "tiny", 0, chat=False)
+    choices = [choice(meta, i, str(i), "stop") for i in (2, 0, 1)]
+    body = response_body(meta, choices, Usage(1, 3))
+    assert [c["text"] for c in body["choices"]] == ["0", "1", "2"]
+    assert [c.index for c in Completion.model_validate(body).choices] == [0, 1, 2]
+
+
 def test_token_ids_use_vllm_layout():
-    completion = response_body(
-        ResponseMeta("cmpl-1", "tiny", 0, chat=False),
-        "ab",
-        "stop",
-        Usage(2, 2),
-        token_ids=[97, 98],
-        prompt_token_ids=(1, 2),
-    )
+    meta = ResponseMeta("cmpl-1", "tiny", 0, chat=False)
+    one = choice(meta, 0, "ab", "stop", token_ids=[97, 98], prompt_token_ids=(1, 2))
+    completion = response_body(meta, [one], Usage(2, 2), prompt_token_ids=(1, 2))
     assert completion["choices"][0]["token_ids"] == [97, 98]
     assert completion["choices"][0]["prompt_token_ids"] == [1, 2]
-    chat = response_body(
-        ResponseMeta("chatcmpl-1", "tiny", 0, chat=True),
-        "ab",
-        "stop",
-        Usage(2, 2),
-        token_ids=[97, 98],
-        prompt_token_ids=[1, 2],
-    )
+    assert "prompt_token_ids" not in completion
+    meta = ResponseMeta("chatcmpl-1", "tiny", 0, chat=True)
+    one = choice(meta, 0, "ab", "stop", token_ids=[97, 98], prompt_token_ids=[1, 2])
+    chat = response_body(meta, [one], Usage(2, 2), prompt_token_ids=[1, 2])
     assert chat["prompt_token_ids"] == [1, 2]
     assert chat["choices"][0]["token_ids"] == [97, 98]
     assert "prompt_token_ids" not in chat["choices"][0]
@@ -90,15 +93,18 @@ def test_token_ids_use_vllm_layout():
 
 def test_chat_stream_chunks():
     meta = ResponseMeta("chatcmpl-1", "tiny", 123, chat=True)
-    first = stream_chunk(meta, "", first=True, prompt_token_ids=[1], token_ids=[])
-    middle = stream_chunk(meta, "Hel", token_ids=[5])
-    last = stream_chunk(meta, "lo", "stop", token_ids=[6])
+    first = stream_chunk(
+        meta, choice(meta, 0, "", None, stream=True, first=True, token_ids=[]), [1]
+    )
+    middle = stream_chunk(meta, choice(meta, 0, "Hel", None, stream=True, token_ids=[5]))
+    last = stream_chunk(meta, choice(meta, 0, "lo", "stop", stream=True, token_ids=[6]))
     usage = usage_chunk(meta, Usage(1, 2))
     assert first == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
         "created": 123,
         "model": "tiny",
+        "prompt_token_ids": [1],
         "choices": [
             {
                 "index": 0,
@@ -108,7 +114,6 @@ def test_chat_stream_chunks():
                 "token_ids": [],
             }
         ],
-        "prompt_token_ids": [1],
     }
     assert middle["choices"][0]["delta"] == {"content": "Hel"}
     assert last["choices"][0]["finish_reason"] == "stop"
@@ -133,14 +138,14 @@ def test_chat_stream_chunks():
 
 def test_completion_stream_chunks():
     meta = ResponseMeta("cmpl-1", "tiny", 123, chat=False)
-    middle = stream_chunk(meta, "Hel", first=True)
-    last = stream_chunk(meta, "lo", "length")
+    middle = stream_chunk(meta, choice(meta, 1, "Hel", None, stream=True, first=True))
+    last = stream_chunk(meta, choice(meta, 1, "lo", "length", stream=True))
     assert middle == {
         "id": "cmpl-1",
         "object": "text_completion",
         "created": 123,
         "model": "tiny",
-        "choices": [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}],
+        "choices": [{"index": 1, "text": "Hel", "logprobs": None, "finish_reason": None}],
     }
     # NOTE: OpenAI's `Completion` type requires a finish_reason, so only the last chunk parses
     # strictly (the client itself reads stream chunks without validation).
@@ -148,6 +153,56 @@ def test_completion_stream_chunks():
     usage = usage_chunk(meta, Usage(1, 2, cached_tokens=1))
     assert (usage["object"], usage["choices"]) == ("text_completion", [])
     assert Completion.model_validate(usage).usage.prompt_tokens_details.cached_tokens == 1
+
+
+class _Tokenizer:
+    def decode(self, token_ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+def test_completion_logprobs_are_parallel_lists_with_text_offsets():
+    formatter = LogprobsFormatter(_Tokenizer())
+    entries = [None, TokenLogprobs(1, -0.5, ((1, -0.5), (2, -1.5))), TokenLogprobs(0, -2.0, ())]
+    body = formatter.completion([0, 1, 0], entries, text_offset=3)
+    assert body == {
+        "tokens": ["a", "b", "a"],
+        "token_logprobs": [None, -0.5, -2.0],
+        "top_logprobs": [None, {"b": -0.5, "c": -1.5}, {}],
+        "text_offset": [3, 4, 5],
+    }
+    # NOTE: the echoed first prompt token's null (as OpenAI and vLLM send it) is outside
+    # OpenAI's strict type, which the client does not apply; the rest parses.
+    meta = ResponseMeta("cmpl-1", "tiny", 0, chat=False)
+    generated = formatter.completion([1, 0], entries[1:])
+    parsed = Completion.model_validate(
+        response_body(meta, [choice(meta, 0, "ba", "length", logprobs=generated)], Usage(1, 2))
+    )
+    assert parsed.choices[0].logprobs.token_logprobs == [-0.5, -2.0]
+
+
+def test_chat_logprobs_use_openai_content_entries():
+    formatter = LogprobsFormatter(_Tokenizer())
+    body = formatter.chat([TokenLogprobs(2, -0.25, ((2, -0.25), (0, -3.0)))])
+    assert body == {
+        "content": [
+            {
+                "token": "c",
+                "logprob": -0.25,
+                "bytes": [99],
+                "top_logprobs": [
+                    {"token": "c", "logprob": -0.25, "bytes": [99]},
+                    {"token": "a", "logprob": -3.0, "bytes": [97]},
+                ],
+            }
+        ]
+    }
+    meta = ResponseMeta("chatcmpl-1", "tiny", 0, chat=True)
+    parsed = ChatCompletion.model_validate(
+        response_body(meta, [choice(meta, 0, "c", "length", logprobs=body)], Usage(1, 1))
+    )
+    assert parsed.choices[0].logprobs.content[0].top_logprobs[1].token == "a"
+    as_ids = LogprobsFormatter(_Tokenizer(), as_token_ids=True)
+    assert as_ids.chat([TokenLogprobs(2, -0.25, ())])["content"][0]["token"] == "token_id:2"
 
 
 def test_sse_encoding():

@@ -16,8 +16,8 @@ def test_stop_string_split_across_chunks():
     assert feed_all(matcher, ["hello S", "TO", "P world", "more"]) == [
         StopMatch("hello ", False),
         StopMatch("", False),
-        StopMatch("", True),
-        StopMatch("", True),
+        StopMatch("", True, "STOP"),
+        StopMatch("", True),  # nothing more once stopped
     ]
 
 
@@ -33,9 +33,9 @@ def test_held_text_is_released_when_it_cannot_be_a_stop():
 def test_overlapping_prefixes_and_earliest_stop_wins():
     matcher = StopStringMatcher(["aab"])
     # "aaab" holds "aa" (a prefix of "aab"), then finds "aab" starting at the second "a".
-    assert feed_all(matcher, ["aaa", "b"]) == [StopMatch("a", False), StopMatch("", True)]
+    assert feed_all(matcher, ["aaa", "b"]) == [StopMatch("a", False), StopMatch("", True, "aab")]
     matcher = StopStringMatcher(["world", "lo"])
-    assert matcher.feed("hello world") == StopMatch("hel", True)
+    assert matcher.feed("hello world") == StopMatch("hel", True, "lo")
 
 
 def test_stop_inside_one_delta_and_flush():
@@ -44,7 +44,7 @@ def test_stop_inside_one_delta_and_flush():
     assert matcher.feed(" two #") == StopMatch(" two ", False)
     assert matcher.flush() == "#"
     assert matcher.flush() == ""
-    assert StopStringMatcher(["x"]).feed("abc\n\nx") == StopMatch("abc\n\n", True)
+    assert StopStringMatcher(["x"]).feed("abc\n\nx") == StopMatch("abc\n\n", True, "x")
 
 
 def test_no_stops_passes_everything_through():

@@ -109,8 +109,8 @@ class Unreachable:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.decode, name)
 
-    async def expect(self, request_id: str) -> tuple[str, int]:
-        await self.decode.expect(request_id)
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        await self.decode.expect(request_id, num_choices)
         return ("127.0.0.1", 1)
 
 

@@ -48,6 +48,10 @@ from tests.transceiver.link import (
     wait_until,
 )
 
+SEEDED_CHOICES = SamplingParams(
+    n=3, seed=40, temperature=0.9, max_tokens=4, ignore_eos=True, logprobs=2
+)
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
@@ -165,6 +169,35 @@ def test_a_clean_transfer_equals_colocated(make_link, expected, backend):
     assert [o.blocks_held for o in outcomes] == [0, 0, 0, 0]
     finished = link.decode_all()
     assert {rid: o.token_ids for rid, o in finished.items()} == expected
+    link.assert_at_baseline()
+
+
+def test_a_hand_off_carries_the_choices_and_logprobs_and_the_decode_engine_forks(
+    make_link, checkpoint
+):
+    """n = 3 with logprobs: the prefill engine draws the three first tokens from the prompt's
+    last row and hands off one request; the decode engine forks the other two choices there.
+    Oracle: the same request on one colocated engine."""
+    params = SEEDED_CHOICES
+    colocated = Engine(EngineConfig(model=checkpoint, **ENGINE_ARGS))
+    colocated.add_request(SPECS[1].prompt, params, request_id="r1")
+    expected = {}
+    while colocated.has_unfinished_requests():
+        expected |= {o.request_id: o for o in colocated.step() if o.finished}
+    link = make_link()
+    spec = dataclasses.replace(SPECS[1], params=params.model_dump())
+    (outcome,) = link.transfer([spec])
+    assert outcome.status == "acked"
+    finished = link.decode_all()
+    assert sorted(finished) == sorted(expected) == ["r1", "r1#1", "r1#2"]
+    for request_id, output in finished.items():
+        assert output.token_ids == expected[request_id].token_ids, request_id
+        got, want = output.logprobs, expected[request_id].logprobs
+        assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in want]
+        assert [v for lp in got for _, v in lp.top] == pytest.approx(
+            [v for lp in want for _, v in lp.top], abs=1e-5
+        )
+    assert (link.prefill.scheduler.num_forks, link.decode.scheduler.num_forks) == (0, 2)
     link.assert_at_baseline()
 
 

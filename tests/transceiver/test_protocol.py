@@ -125,19 +125,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 3, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 4, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "03"  # "v": 3
+        "a176" "04"  # "v": 4
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 3,
+        "v": 4,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -151,7 +151,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(2, "protocol version 2 is not 3"), (None, "protocol version None")]
+    ("version", "shown"), [(3, "protocol version 3 is not 4"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))

@@ -1,5 +1,5 @@
 """The engine end to end on the built-in `tiny` model: validation, preemption, abort, stopping,
-seeded sampling, length caps, prompt logits and config errors."""
+seeded sampling, length caps, prompt logprobs, n > 1 choices and config errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hybridserve.workers import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
 from hybridserve.workers.step_plan import SamplingRow, mix_seed
-from tests.helpers import assert_pools_at_baseline
+from tests.helpers import assert_pools_at_baseline, engine_logprobs
 
 # Small pools keep engine start-up cheap (the default CPU KV pool is 1 GiB).
 SMALL = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 8}
@@ -251,7 +251,9 @@ def test_min_tokens_suppresses_stop_tokens_until_reached(greedy_tokens):
     assert out[:index] == tokens[:index]
     assert stop not in out[: index + 1]
     # At the banned position greedy takes the best token other than the stop token.
-    (logits,) = llm.prompt_logits([PROMPTS[0] + tokens[:index]])
+    (logits,) = engine_logprobs(
+        LLM("tiny", max_logprobs=-1, **SMALL), [PROMPTS[0] + tokens[:index]]
+    )
     last = logits[-1].clone()
     last[stop] = float("-inf")
     assert out[index] == int(last.argmax())
@@ -346,7 +348,7 @@ def test_each_sample_is_seeded_by_the_request_seed_and_the_output_position(monke
     )
     engine.add_request(PROMPTS[0], params)
     run(engine)
-    assert [r.seed for r in rows] == [mix_seed(5, position) for position in range(4)]
+    assert [r.seeds for r in rows] == [(mix_seed(5, position),) for position in range(4)]
     assert [set(r.banned_token_ids) for r in rows] == [{65, 256, 258}] * 2 + [set()] * 2
     assert {(r.temperature, r.top_k, r.top_p) for r in rows} == {(0.8, 50, 1.0)}
 
@@ -411,24 +413,24 @@ def test_llm_generate_takes_one_prompt_or_matching_params(greedy_tokens):
         llm.generate(PROMPTS[:2], [GREEDY])
 
 
-# ---- prompt logits ------------------------------------------------------------------------
+# ---- prompt logprobs -----------------------------------------------------------------------
 
 
-def test_chunked_prompt_logits_equal_a_full_prompt_forward(greedy_tokens):
+def test_chunked_prompt_logprobs_equal_a_full_prompt_forward(greedy_tokens):
     prompts = [[65], list(b"hello "), list(b"a longer prompt of 23 t")]
-    chunked = LLM("tiny", **(SMALL | {"max_num_batched_tokens": 5})).prompt_logits(prompts)
-    full = LLM("tiny", **(SMALL | {"max_num_batched_tokens": 2048})).prompt_logits(prompts)
+    engine = SMALL | {"max_logprobs": -1}
+    chunked = engine_logprobs(LLM("tiny", **(engine | {"max_num_batched_tokens": 5})), prompts)
+    full = engine_logprobs(LLM("tiny", **(engine | {"max_num_batched_tokens": 2048})), prompts)
     for prompt, ours, reference in zip(prompts, chunked, full, strict=True):
         assert ours.shape == reference.shape == (len(prompt), VOCAB)
         assert ours.dtype == torch.float32
         # NOTE: float32 rounding, not chunking: against a float64 forward (transformers, same
-        # weights) the full forward itself is off by up to 1.4e-5 on these logits (|max| 14),
-        # and any two budgets differ by about 1e-5. A wrong chunk boundary (state, position,
-        # KV) moves logits by 1e-2 or more.
+        # weights) the full forward itself is off by about 1e-5, and any two budgets differ
+        # by about as much. A wrong chunk boundary (state, position, KV) moves them by 1e-2.
         assert (ours - reference).abs().max() <= 2e-6 * reference.abs().max()
     # The last row predicts the first generated token.
-    (logits,) = LLM("tiny", **SMALL).prompt_logits([PROMPTS[0]])
-    assert int(logits[-1].argmax()) == greedy_tokens[0][0]
+    (logprobs,) = engine_logprobs(LLM("tiny", **engine), [PROMPTS[0]])
+    assert int(logprobs[-1].argmax()) == greedy_tokens[0][0]
 
 
 # ---- configuration ------------------------------------------------------------------------
@@ -469,3 +471,58 @@ def test_a_kv_pool_smaller_than_one_request_is_rejected():
 def test_max_model_len_beyond_the_model_is_rejected():
     with pytest.raises(ValueError, match="max_model_len=8193 is longer than the model's"):
         Engine(EngineConfig(max_model_len=8193, num_kv_blocks=4096))
+
+
+# ---- n > 1: choices fork from one prefill ---------------------------------------------------
+
+CHOICES = SamplingParams(n=4, seed=21, temperature=1.0, max_tokens=10, ignore_eos=True)
+
+
+def separate_choices(prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """The oracle: n separate requests, choice i seeded seed + i."""
+    return [
+        generate_alone(prompt, params.model_copy(update={"n": 1, "seed": params.seed + i}))
+        for i in range(params.n)
+    ]
+
+
+def test_n_choices_prefill_once_and_equal_separate_seeded_requests():
+    engine = make_engine()
+    request_id = engine.add_request(PROMPTS[1], CHOICES)
+    finished = run(engine)
+    ids = [request_id, *(f"{request_id}#{i}" for i in range(1, 4))]
+    assert sorted(finished) == sorted(ids)
+    assert [finished[i].index for i in ids] == [0, 1, 2, 3]
+    assert {finished[i].parent_request_id for i in ids[1:]} == {request_id}
+    expected = separate_choices(PROMPTS[1], CHOICES)
+    assert [finished[i].token_ids for i in ids] == expected
+    assert len({tuple(t) for t in expected}) > 1
+    # One prefill: the prompt went through the model once; the other choices forked from it.
+    assert engine.scheduler.num_prompt_tokens_computed == len(PROMPTS[1])
+    assert engine.scheduler.num_forks == 3
+    assert_pools_at_baseline(engine)
+
+
+def test_choices_that_find_no_room_at_the_fork_recompute_and_still_match():
+    # Two sequences at a time and a small pool: choices wait at the fork (recomputed later)
+    # and running ones are preempted; the tokens do not change.
+    engine = make_engine(num_kv_blocks=14, max_model_len=32, max_num_seqs=2)
+    request_id = engine.add_request(PROMPTS[1], CHOICES)
+    finished = run(engine)
+    ids = [request_id, *(f"{request_id}#{i}" for i in range(1, 4))]
+    assert [finished[i].token_ids for i in ids] == separate_choices(PROMPTS[1], CHOICES)
+    assert engine.scheduler.num_forks < 3  # some choices could not fork in place
+    # Those resumed from the prompt's snapshot in the prefix cache: the prompt ran once.
+    assert engine.scheduler.num_prompt_tokens_computed == len(PROMPTS[1])
+    assert_pools_at_baseline(engine)
+
+
+def test_aborting_a_request_aborts_its_choices():
+    engine = make_engine()
+    request_id = engine.add_request(PROMPTS[0], CHOICES)
+    while engine.scheduler.num_forks < 3:
+        engine.step()
+    output = engine.abort(request_id)
+    assert output.finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert_pools_at_baseline(engine)

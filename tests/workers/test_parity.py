@@ -8,8 +8,9 @@ from hybridserve.workers import LLM, SamplingParams
 from tests.helpers import (
     ARCHITECTURES,
     assert_pools_at_baseline,
+    engine_logprobs,
     hf_greedy,
-    hf_logits,
+    hf_logprobs,
     make_hf_model,
     random_prompts,
 )
@@ -21,24 +22,24 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def reference(request, tmp_path_factory):
-    """(arch, checkpoint folder, prompts, HF greedy tokens, HF prompt logits)."""
+    """(arch, checkpoint folder, prompts, HF greedy tokens, HF prompt log-probabilities)."""
     arch = request.param
     model = make_hf_model(arch)
     folder = tmp_path_factory.mktemp(arch)
     model.save_pretrained(folder)
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
     tokens = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    logits = [hf_logits(model, p) for p in prompts]
-    return arch, folder, prompts, tokens, logits
+    logprobs = [hf_logprobs(model, p) for p in prompts]
+    return arch, folder, prompts, tokens, logprobs
 
 
-def test_greedy_tokens_and_prompt_logits_match_transformers(reference):
-    _, folder, prompts, hf_tokens, hf_prompt_logits = reference
-    llm = LLM(str(folder))
+def test_greedy_tokens_and_prompt_logprobs_match_transformers(reference):
+    _, folder, prompts, hf_tokens, hf_prompt_logprobs = reference
+    llm = LLM(str(folder), max_logprobs=-1)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_tokens
     assert all(o.finish_reason == "length" for o in outputs)
-    for ours, theirs in zip(llm.prompt_logits(prompts), hf_prompt_logits, strict=True):
+    for ours, theirs in zip(engine_logprobs(llm, prompts), hf_prompt_logprobs, strict=True):
         assert ours.shape == theirs.shape
         assert (ours - theirs).abs().max() <= 1e-4
     assert_pools_at_baseline(llm.engine)
@@ -49,19 +50,20 @@ def test_greedy_tokens_and_prompt_logits_match_transformers(reference):
 def test_chunked_prefill_and_block_sizes_match_transformers(
     reference, max_num_batched_tokens, block_size
 ):
-    _, folder, prompts, hf_tokens, hf_prompt_logits = reference
+    _, folder, prompts, hf_tokens, hf_prompt_logprobs = reference
     # Prefix caching rounds budget-cut chunks to whole blocks, so it needs budget >= block size.
     llm = LLM(
         str(folder),
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         enable_prefix_caching=max_num_batched_tokens >= block_size,
+        max_logprobs=-1,
     )
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == hf_tokens
-    # Logits of a prompt computed in budget-sized chunks equal one full forward.
-    (ours,) = llm.prompt_logits([prompts[-1]])
-    assert (ours - hf_prompt_logits[-1]).abs().max() <= 1e-4
+    # Log-probabilities of a prompt computed in budget-sized chunks equal one full forward.
+    (ours,) = engine_logprobs(llm, [prompts[-1]])
+    assert (ours - hf_prompt_logprobs[-1]).abs().max() <= 1e-4
     assert_pools_at_baseline(llm.engine)
 
 

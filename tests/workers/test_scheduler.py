@@ -6,6 +6,7 @@ TOKEN, as the runner would.
 
 from __future__ import annotations
 
+from hybridserve.workers.outputs import Sample
 from hybridserve.workers.request import Request, RequestStatus
 from hybridserve.workers.scheduler import Scheduler, SchedulerOutput
 from tests.helpers import make_cache, make_request
@@ -39,7 +40,7 @@ def step(scheduler: Scheduler, token: int = TOKEN) -> tuple[list[tuple[str, int]
     """schedule + update; returns the plan and the requests that changed."""
     out = scheduler.schedule()
     assert out.num_tokens <= scheduler.max_num_batched_tokens
-    sampled = [token if s.samples else None for s in out.scheduled]
+    sampled = [Sample((token,)) if s.samples else None for s in out.scheduled]
     changed = scheduler.update(out, sampled)
     scheduler.cache.check_integrity()
     return plan(out), changed
@@ -112,7 +113,7 @@ def test_update_returns_only_requests_that_got_a_token():
     scheduler.add(b)
     out = scheduler.schedule()
     assert plan(out) == [("a", 4), ("b", 2)]
-    changed = scheduler.update(out, [TOKEN, None])
+    changed = scheduler.update(out, [Sample((TOKEN,)), None])
     assert ids(changed) == ["a"]
 
 
@@ -186,7 +187,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert scheduler.cache.num_free_blocks == 1  # b's 2 blocks back, 1 taken by a
     assert scheduler.cache.num_free_slots == 3
     scheduler.cache.check_integrity()
-    scheduler.update(out, [TOKEN])
+    scheduler.update(out, [Sample((TOKEN,))])
     # No admission in the step that preempted; afterwards b is recomputed from scratch (its
     # prompt plus its two generated tokens) as soon as it fits again.
     assert b.num_remaining_tokens == 9
@@ -207,7 +208,7 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
     assert out.preempted == [b]
     assert scheduler.cache.num_free_blocks == 2
     assert ids(scheduler.waiting) == ["b"]
-    scheduler.update(out, [TOKEN])
+    scheduler.update(out, [Sample((TOKEN,))])
     # The next step admits b again, starting its recompute at token 0.
     assert step(scheduler)[0] == [("a", 1), ("b", 1)]
     assert b.num_computed_tokens == 1
@@ -337,7 +338,7 @@ def test_abort_a_preempted_request_in_the_waiting_queue_frees_everything():
     step(scheduler)
     out = scheduler.schedule()
     assert out.preempted == [b]
-    scheduler.update(out, [TOKEN])
+    scheduler.update(out, [Sample((TOKEN,))])
     scheduler.finish(b, "abort")
     assert b.finish_reason == "abort" and ids(scheduler.waiting) == []
     scheduler.finish(a, "abort")

@@ -24,10 +24,32 @@ from tests.helpers import make_prefix_cache, make_request
 
 PLAN = StepPlan(
     chunks=[
-        ScheduledChunk("r0", [5], 40, [3, 7, 9], 1, SamplingRow(0.0, 1.0, None, 2**62 + 5)),
+        ScheduledChunk("r0", [5], 40, [3, 7, 9], 1, SamplingRow(0.0, 1.0, None, (2**62 + 5,))),
         ScheduledChunk("r1", [1, 2, 3, 4], 0, [0], 0),
         ScheduledChunk(
-            "r2", [8, 8], 16, [2, 4], 2, SamplingRow(0.7, 0.9, 40, 11, (256, 258)), True
+            "r2",
+            [8, 8],
+            16,
+            [2, 4],
+            2,
+            SamplingRow(
+                0.7,
+                0.9,
+                40,
+                (11, 12, 13),
+                min_p=0.05,
+                banned_token_ids=(256, 258),
+                logit_bias=((3, 100.0), (9, -2.5)),
+                presence_penalty=0.5,
+                frequency_penalty=-0.25,
+                repetition_penalty=1.2,
+                output_token_ids=(8, 8, 1),
+                prompt_token_ids=(5, 6),
+                allowed_token_bitmask=bytes(range(12)),
+                num_logprobs=5,
+            ),
+            prompt_logprobs=3,
+            next_token_id=42,
         ),
     ],
     cache_ops=[
@@ -48,19 +70,23 @@ def test_a_plan_round_trips_through_msgpack_bytes():
 
 def test_the_wire_form_is_versioned_and_compact():
     data = msgpack.unpackb(PLAN.to_bytes(), raw=False)
-    assert data["v"] == PLAN_VERSION == 1
+    assert data["v"] == PLAN_VERSION == 2
     assert data["ops"][0] == ["copy_block", 3, 4, 12]
-    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, False]
+    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, None, None]
 
 
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        ({"v": 2, "chunks": [], "ops": []}, "step plan version 2 is not 1"),
-        ({"v": 1, "chunks": [["r", [1]]], "ops": []}, "malformed step plan"),
-        ({"v": 1, "chunks": [], "ops": [["format_disk", 1]]}, "malformed cache op"),
-        ({"v": 1, "chunks": [], "ops": [["copy_slot", 1, -2]]}, "non-negative integer"),
-        ({"v": 1, "ops": []}, "malformed step plan"),
+        ({"v": 1, "chunks": [], "ops": []}, "step plan version 1 is not 2"),
+        ({"v": 2, "chunks": [["r", [1]]], "ops": []}, "malformed step plan"),
+        ({"v": 2, "chunks": [], "ops": [["format_disk", 1]]}, "malformed cache op"),
+        ({"v": 2, "chunks": [], "ops": [["copy_slot", 1, -2]]}, "non-negative integer"),
+        ({"v": 2, "ops": []}, "malformed step plan"),
+        (
+            {"v": 2, "chunks": [["r", [1], 0, [0], 0, [1.0, 1.0], None, None]], "ops": []},
+            "malformed step plan",
+        ),
     ],
 )
 def test_another_version_or_a_malformed_plan_is_refused(payload, message):

@@ -17,6 +17,7 @@ import pytest
 from hybridserve.workers import LLM, SamplingParams
 from tests.helpers import (
     assert_pools_at_baseline,
+    engine_logprobs,
     hf_greedy,
     make_hf_model,
     random_prompts,
@@ -62,7 +63,7 @@ RUNS = [
 class Reference:
     folder: Path
     hf_tokens: list[list[int]]
-    tp1_logits: list[Any]
+    tp1_logprobs: list[Any]
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +73,16 @@ def references(tmp_path_factory) -> dict[str, Reference]:
         model = make_hf_model(arch, **overrides)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
-        with LLM(str(folder), **SMALL) as tp1:
-            logits = tp1.prompt_logits(PROMPTS[2:])
-        refs[name] = Reference(folder, [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS], logits)
+        with LLM(str(folder), max_logprobs=-1, **SMALL) as tp1:
+            logprobs = engine_logprobs(tp1, PROMPTS[2:])
+        refs[name] = Reference(folder, [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS], logprobs)
     return refs
 
 
 @pytest.mark.parametrize(
     ("name", "tp", "expert_parallel"), RUNS, ids=[f"{n}-tp{t}{'-ep' * e}" for n, t, e in RUNS]
 )
-def test_greedy_tokens_equal_transformers_and_prompt_logits_equal_tp1(
+def test_greedy_tokens_equal_transformers_and_prompt_logprobs_equal_tp1(
     references, name, tp, expert_parallel
 ):
     ref = references[name]
@@ -89,6 +90,7 @@ def test_greedy_tokens_equal_transformers_and_prompt_logits_equal_tp1(
         str(ref.folder),
         tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel,
+        max_logprobs=-1,
         **SMALL,
     ) as llm:
         assert llm.engine.config.executor_backend == "mp"
@@ -97,7 +99,7 @@ def test_greedy_tokens_equal_transformers_and_prompt_logits_equal_tp1(
         # Same prompts again: reused snapshots and blocks, restored on every rank.
         again = llm.generate([[*p, 5] for p in PROMPTS[2:]], GREEDY)
         assert all(o.num_cached_tokens > 0 for o in again)
-        for ours, tp1 in zip(llm.prompt_logits(PROMPTS[2:]), ref.tp1_logits, strict=True):
+        for ours, tp1 in zip(engine_logprobs(llm, PROMPTS[2:]), ref.tp1_logprobs, strict=True):
             assert (ours - tp1).abs().max() <= 1e-4
         assert_pools_at_baseline(llm.engine)  # rank 0's bookkeeping and every rank's check
 

@@ -128,6 +128,26 @@ class AttentionBlockManager:
         self._tables[request_id] = [*(n.block_id for n in held), *new_ids]  # type: ignore[misc]
         return new_ids
 
+    def fork(self, request_id: str, child_id: str, num_tokens: int) -> bool:
+        """A copy of the request's first `num_tokens` tokens for `child_id`: its full blocks
+        shared, a partly filled last block copied (both go on writing into their own). False
+        (and no change) if no block is left for the copy.
+
+            parent: [ block a ][ block b ][ c: 5 rows | its next tokens ... ]
+            child:  [ block a ][ block b ][ d: copy of c's 5 rows | its own ... ]
+        """
+        table = self._tables[request_id]
+        num_full, num_rows = divmod(num_tokens, self.block_size)
+        copy = self.pool.allocate(1 if num_rows else 0)
+        if copy is None:
+            return False
+        for block_id in table[:num_full]:
+            self.pool.acquire(block_id)
+        if num_rows:
+            self.ops.append(CopyBlock(table[num_full], copy[0], num_rows))
+        self._tables[child_id] = [*table[:num_full], *copy]
+        return True
+
     def _num_free_held(self, nodes: Iterable[TreeNode | None]) -> int:
         """Cached blocks among `nodes` that sit in the free queue: holding them takes them out
         of it, so they do not count as free for the rest of an allocation."""

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from hybridserve.workers.cache.attention import AttentionBlockManager
 from hybridserve.workers.cache.events import BlockRemoved, BlockStored, CacheEvent
 from hybridserve.workers.cache.mamba import MambaStateManager
-from hybridserve.workers.cache.ops import CacheOp, CacheOpLog
+from hybridserve.workers.cache.ops import CacheOp, CacheOpLog, CopySlot
 from hybridserve.workers.cache.prefix_tree import PrefixTree, Snapshot, TreeNode
 from hybridserve.workers.request import Request
 
@@ -178,7 +178,7 @@ class CacheCoordinator:
         """The deepest position R with attention blocks for [0, R) and a snapshot at exactly R,
         R <= len - 1 (the last token is always computed). Side-effect free."""
         lookup = request.token_ids[:-1]
-        if not self.prefix.enabled or request.keep_logits:
+        if not self.prefix.enabled or request.scores_prompt:
             return Reuse.none(len(lookup))
         match = self.tree.match(lookup, request.cache_salt, partial=self.prefix.partial_reuse)
         path = tuple(b.node for b in match.blocks)
@@ -284,6 +284,25 @@ class CacheCoordinator:
         slot = self.mamba.allocate(request.request_id)
         self._requests[request.request_id] = _RequestCache(held, len(held) * self.block_size)
         return len(held), Allocation(new_ids, slot)
+
+    def fork(self, request: Request, child: Request) -> bool:
+        """Choice `child` of an n > 1 request continues from exactly `request`'s state: the KV
+        of its computed tokens (attention.fork) and a copy of its live Mamba state in a slot
+        of its own, so the prompt is computed once. False (nothing held) if the pools are
+        short."""
+        if not self.mamba.can_allocate():
+            return False
+        if not self.attention.fork(
+            request.request_id, child.request_id, request.num_computed_tokens
+        ):
+            return False
+        slot = self.mamba.allocate(child.request_id)
+        self.ops.append(CopySlot(self.mamba.live_slot(request.request_id), slot))
+        state = self._requests[request.request_id]
+        self._requests[child.request_id] = _RequestCache(
+            list(state.path), state.num_committed_tokens, state.snapshot
+        )
+        return True
 
     def rename(self, request_id: str, new_id: str) -> None:
         """Move everything `request_id` holds to `new_id` (e.g. a quarantine owner)."""

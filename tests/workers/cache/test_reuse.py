@@ -411,6 +411,5 @@ def test_i17_the_last_prompt_token_is_never_reused():
     assert reuse_of(cache, prompt) == (0, 63, 63)  # exact repeat: lookup one shorter
     assert reuse_of(cache, [*prompt, 1]) == (64, 64, 64)
     assert reuse_of(cache, prompt[:1]) == (0, 0, 0)
-    opted_out = make_request("b", prompt=[*prompt, 1])
-    opted_out.keep_logits = True
+    opted_out = make_request("b", prompt=[*prompt, 1], prompt_logprobs=0)
     assert cache.find_reuse(opted_out).num_tokens == 0

@@ -1,0 +1,203 @@
+"""Clients people point at OpenAI-compatible servers, run unchanged against the service:
+lm-evaluation-harness (loglikelihood through `local-completions`, generate_until through
+`local-chat-completions`), LangChain's `ChatOpenAI` (invoke, stream, structured output) and
+GuideLLM (a load generator). Oracle: the offline engine of the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, Field
+
+from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.models.tiny import write_tiny_checkpoint
+from tests.cluster.conftest import API_KEY, ENGINE, assert_at_baseline
+from tests.helpers import engine_logprobs
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    {"question": "Mamba layers keep a", "choices": [" state", " cat", " moon"], "answer": 0},
+    {"question": "Attention layers keep a", "choices": [" KV cache", " dog"], "answer": 0},
+    {"question": "The hybrid model is", "choices": [" fast", " slow", " blue"], "answer": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("tiny", max_logprobs=-1, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as an HF folder: the clients load its tokenizer from there."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def write_tasks(folder: Path) -> Path:
+    """Two lm-eval tasks over a local JSON file: multiple choice (loglikelihood) and
+    generate_until."""
+    data = folder / "questions.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    common = f"""
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data}
+        test_split: test
+        doc_to_text: "{{{{question}}}}"
+    """
+    (folder / "hybridserve_choice.yaml").write_text(
+        textwrap.dedent(common)
+        + textwrap.dedent("""
+        task: hybridserve_choice
+        output_type: multiple_choice
+        doc_to_choice: "{{choices}}"
+        doc_to_target: "{{answer}}"
+        target_delimiter: ""
+        metric_list:
+          - metric: acc
+    """)
+    )
+    (folder / "hybridserve_generate.yaml").write_text(
+        textwrap.dedent(common)
+        + textwrap.dedent("""
+        task: hybridserve_generate
+        output_type: generate_until
+        doc_to_target: "{{choices[answer]}}"
+        generation_kwargs:
+          until: ["<never>"]
+          max_gen_toks: 6
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+    """)
+    )
+    return folder
+
+
+def test_lm_eval_scores_and_generates_through_the_api(
+    service, offline, checkpoint, tmp_path, monkeypatch
+):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    tasks = TaskManager(include_path=str(write_tasks(tmp_path)))
+    scored = simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"base_url={service.base_url}/v1/completions,model=tiny,tokenizer={checkpoint},"
+            "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1"
+        ),
+        tasks=["hybridserve_choice"],
+        task_manager=tasks,
+        log_samples=True,
+    )
+    samples = scored["samples"]["hybridserve_choice"]
+    assert len(samples) == len(QUESTIONS)
+    for sample in samples:
+        for (context, continuation), ((loglikelihood, _greedy),) in zip(
+            sample["arguments"], sample["resps"], strict=True
+        ):
+            ids = list((context + continuation).encode())  # the tiny tokenizer: bytes
+            (table,) = engine_logprobs(offline, [ids])
+            start = len(context.encode())
+            expected = sum(table[i - 1, ids[i]].item() for i in range(start, len(ids)))
+            assert loglikelihood == pytest.approx(expected, abs=1e-4)
+    assert 0.0 <= scored["results"]["hybridserve_choice"]["acc,none"] <= 1.0
+
+    generated = simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"base_url={service.base_url}/v1/chat/completions,model=tiny,max_retries=1",
+        tasks=["hybridserve_generate"],
+        task_manager=tasks,
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    samples = generated["samples"]["hybridserve_generate"]
+    assert len(samples) == len(QUESTIONS)
+    for sample in samples:
+        (response,) = sample["resps"][0]
+        messages = [{"role": "user", "content": sample["doc"]["question"]}]
+        (expected,) = offline.chat(messages, SamplingParams(max_tokens=6, temperature=0))
+        assert response == expected.text and response
+    assert_at_baseline(service)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=120)
+
+
+def test_langchain_chat_openai_invokes_streams_and_structures(service, offline):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="tiny",
+        base_url=f"{service.base_url}/v1",
+        api_key=API_KEY,
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+    )
+    question = "What does a Mamba layer keep?"
+    (expected,) = offline.chat(
+        [{"role": "user", "content": question}], SamplingParams(max_tokens=8, temperature=0)
+    )
+    reply = chat.invoke(question)
+    assert reply.content == expected.text and reply.content
+    assert reply.usage_metadata["output_tokens"] == len(expected.token_ids)
+    assert "".join(chunk.content for chunk in chat.stream(question)) == expected.text
+
+    structured = ChatOpenAI(
+        model="tiny",
+        base_url=f"{service.base_url}/v1",
+        api_key=API_KEY,
+        temperature=1.0,
+        seed=7,
+        max_tokens=80,
+        max_retries=0,
+    ).with_structured_output(Person, method="json_schema")
+    person = structured.invoke("Describe a person as JSON.")
+    assert isinstance(person, Person)
+    assert_at_baseline(service)
+
+
+def test_guidellm_benchmarks_the_service(service, checkpoint, tmp_path):
+    report = tmp_path / "guidellm.json"
+    backend = f"kind=openai_http,target={service.base_url},model=tiny,api_key={API_KEY}"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guidellm",
+            "run",
+            "--backend",
+            backend,
+            "--profile",
+            "kind=concurrent,streams=2",
+            "--constraint",
+            "kind=max_requests,count=8",
+            "--data",
+            "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={checkpoint}",
+            "--output",
+            f"kind=json,path={report}",
+            "--disable-console-interactive",
+        ],
+        check=True,
+        timeout=600,
+    )
+    benchmarks = json.loads(report.read_text())["benchmarks"]
+    assert benchmarks
+    totals = benchmarks[0]["metrics"]
+    print(json.dumps(totals)[:2000])
+    assert_at_baseline(service)
