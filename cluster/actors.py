@@ -12,7 +12,7 @@ import ray
 
 from hybridserve.cluster.messages import GenerateRequest
 from hybridserve.cluster.prefix_index import PrefixIndex
-from hybridserve.cluster.router import Router, RouterConfig
+from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -27,20 +27,32 @@ class RouterActor:
         self,
         config: dict[str, Any],
         prefill_engines: list[str],
-        decode_engines: list[str],
+        decode_engines: dict[str, int],
         block_size: int,
         partial_reuse: bool,
+        max_queued_requests: int | None,
     ) -> None:
+        """`decode_engines`: name -> max_num_seqs."""
         self.index = PrefixIndex()
         for name in (*prefill_engines, *decode_engines):
             self.index.add_engine(name, block_size=block_size, partial_reuse=partial_reuse)
-        self.router = Router(RouterConfig(**config), self.index, prefill_engines, decode_engines)
+        self.router = Router(
+            RouterConfig(**config),
+            self.index,
+            prefill_engines,
+            decode_engines,
+            max_queued_requests,
+        )
 
     def apply_events(self, engine: str, events: list[dict[str, Any]]) -> None:
         self.index.apply(engine, events)
 
     def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
-        return asdict(self.router.route(token_ids, cache_salt))
+        """The route, or {"refused": {"status", "message"}} when no engine takes it now."""
+        try:
+            return asdict(self.router.route(token_ids, cache_salt))
+        except RouteRefused as refused:
+            return {"refused": {"status": refused.status, "message": refused.message}}
 
     def release(self, engine: str) -> None:
         self.router.release(engine)
@@ -58,6 +70,7 @@ class RouterActor:
     def stats(self) -> dict[str, Any]:
         return asdict(self.index.stats()) | {
             "load": dict(self.router.load),
+            "num_queued": self.router.num_queued(),
             "engines": [*self.router.prefill_engines, *self.router.decode_engines],
             "policy": self.router.config.policy,
         }
@@ -126,9 +139,10 @@ class EngineActor:
     def describe(self) -> dict[str, Any]:
         return self.worker.describe()
 
-    def health(self) -> None:
-        """Raises if the engine cannot serve any more (one of its ranks failed)."""
-        self.worker.health()
+    def health(self, stall_timeout_s: float | None = None) -> None:
+        """Raises if the engine cannot serve any more (one of its ranks failed, or its
+        stepping loop is wedged past `stall_timeout_s`)."""
+        self.worker.health(stall_timeout_s)
 
     def rank_actors(self) -> list[Any]:
         """The RankActors of a tensor-parallel engine (ranks 1 .. tp-1), for operators and

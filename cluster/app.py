@@ -47,6 +47,7 @@ from hybridserve.cluster.openai_responses import (
     usage_chunk,
 )
 from hybridserve.cluster.orchestrator import Orchestrator
+from hybridserve.cluster.router import RouteRefused
 from hybridserve.workers.models.loader import load_tokenizer
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.structured_output import GrammarCompiler
@@ -227,6 +228,9 @@ class OpenAIIngress:
         )
         reply = Reply(self.tokenizer, body, request, meta)
         events = self._run(request, topology)
+        if self.config.request_timeout_s is not None:
+            events = _within(events, self.config.request_timeout_s, request.request_id)
+        events = await self._admitted(events)
         if body.stream:
             return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
         return JSONResponse(await self._collect(events, reply))
@@ -239,6 +243,32 @@ class OpenAIIngress:
         orchestrator = Orchestrator(RayRouter(topology["router"]), engines, self._engine_died)
         async for event in orchestrator.run(request):
             yield event
+
+    @staticmethod
+    async def _admitted(events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        """The request's events once it is admitted: its first event is awaited before the
+        response starts, so that a refusal is the response's status (429, or 503 with no
+        decode engine), not an event inside a 200 stream."""
+        try:
+            first = await anext(events)
+        except RouteRefused as refused:
+            await events.aclose()
+            raise OpenAIError(
+                refused.status,
+                refused.message,
+                code="overloaded" if refused.status == 429 else "no_engine",
+                retry_after_s=1 if refused.status == 429 else 5,
+            ) from None
+
+        async def resumed() -> AsyncIterator[TokenEvent]:
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+
+        return resumed()
 
     async def _engine_died(self, name: str) -> None:
         await self.coordinator.mark_dead.remote(name)
@@ -293,6 +323,31 @@ class OpenAIIngress:
         finally:
             await events.aclose()
             self._observe(reply, start)
+
+
+async def _within(
+    events: AsyncIterator[TokenEvent], timeout_s: float, request_id: str
+) -> AsyncIterator[TokenEvent]:
+    """`events` until `timeout_s` after now; past it the request ends with a 504, and closing
+    `events` aborts it on every engine that holds it."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                remaining = max(0.0, deadline - time.monotonic())
+                event = await asyncio.wait_for(anext(events), remaining)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                logger.warning("request %s: past its %g s deadline; aborted", request_id, timeout_s)
+                raise OpenAIError(
+                    504,
+                    f"the request did not finish within request_timeout_s={timeout_s:g} s",
+                    code="request_timeout",
+                ) from None
+            yield event
+    finally:
+        await events.aclose()
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -263,6 +263,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         help=f"accepted bearer key (repeat; also {API_KEYS_ENV}); none: no authentication",
     )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests that may wait beyond what the decode engines run at once; more get "
+        "429 with Retry-After; -1: no limit (default: 1024)",
+    )
     group.add_argument("--served-model-name", help="model id for clients (default: from --model)")
     group.add_argument("--torch-threads", type=int, help="CPU threads per engine")
 
@@ -283,6 +290,7 @@ def service_config(args: argparse.Namespace) -> dict[str, Any]:
         "api_keys": args.api_key,
         "served_model_name": args.served_model_name,
         "torch_threads": args.torch_threads,
+        "max_queued_requests": None if args.max_queued_requests < 0 else args.max_queued_requests,
     }
     return ServiceConfig(**config).model_dump()
 

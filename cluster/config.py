@@ -78,6 +78,24 @@ class ServiceConfig(BaseModel):
         30.0, ge=0, description="on shutdown, how long running requests may finish"
     )
     max_request_bytes: int = Field(8 << 20, ge=1024, description="larger bodies get 413")
+    engine_stall_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="an engine whose stepping loop has not come round for this long is "
+        "wedged: /health turns 503 (if no other decode engine serves) and it leaves routing",
+    )
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="a request still running this long after it arrived ends with a 504 "
+        "(an error event in a stream) and is aborted on every engine; None: no deadline",
+    )
+    max_queued_requests: int | None = Field(
+        1024,
+        ge=0,
+        description="requests that may wait beyond what the decode engines run at once "
+        "(max_num_seqs each); more get 429 with Retry-After; None: no limit",
+    )
 
     @field_validator("engine", "prefill_engine", "decode_engine")
     @classmethod

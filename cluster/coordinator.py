@@ -32,7 +32,7 @@ from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 5.0  # an engine's actor answers health() on its event loop, at once
 PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -42,7 +42,11 @@ class Coordinator:
         self.config = ServiceConfig(**config)
         names = self.config.engine_names()
         prefill = [n for n, role in names.items() if role == "prefill"]
-        decode = [n for n, role in names.items() if role != "prefill"]
+        decode = {
+            n: self.config.engine_config(role).max_num_seqs
+            for n, role in names.items()
+            if role != "prefill"
+        }
         first = self.config.engine_config(self.config.roles()[0])
         self.router = RouterActor.remote(
             self.config.router.model_dump(),
@@ -50,6 +54,7 @@ class Coordinator:
             decode,
             first.block_size,
             first.enable_partial_reuse,
+            self.config.max_queued_requests,
         )
         self.placement_groups: dict[str, PlacementGroup] = {}
         self.resources: dict[str, dict[str, Any]] = {}
@@ -122,19 +127,31 @@ class Coordinator:
                 remove_placement_group(group)  # its rank actors (and its engine actor) go
 
     async def check_health(self) -> None:
-        for name, engine in self.engines.items():
-            if name in self.dead:
-                continue
-            try:
-                await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
-            except Exception as exc:  # a dead actor or rank, a timeout: the engine is gone
-                logger.error("engine %s failed its health check: %s", name, exc)
-                await self.mark_dead(name)
-        if all(n in self.dead for n, role in self.roles.items() if role != "prefill"):
+        await self._probe_engines()
+        if not self._serving():
             raise RuntimeError("no decode engine is alive")
 
     async def healthy(self) -> bool:
+        """/health: whether a decode engine can serve now. Every live engine is asked at
+        once (its stepping loop's heartbeat, not only whether its actor answers), so a
+        wedged or dead engine turns this false within one probe and leaves routing."""
+        await self._probe_engines()
+        return self._serving()
+
+    def _serving(self) -> bool:
         return any(n not in self.dead for n, role in self.roles.items() if role != "prefill")
+
+    async def _probe_engines(self) -> None:
+        live = [(n, h) for n, h in self.engines.items() if n not in self.dead]
+        stall = self.config.engine_stall_timeout_s
+        results = await asyncio.gather(
+            *(asyncio.wait_for(h.health.remote(stall), HEALTH_TIMEOUT_S) for _, h in live),
+            return_exceptions=True,
+        )
+        for (name, _), result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):  # dead actor or rank, wedged, no answer
+                logger.error("engine %s failed its health check: %r", name, result)
+                await self.mark_dead(name)
 
     def engine_resources(self) -> dict[str, dict[str, Any]]:
         """What each engine got: its ranks and each rank's resources (benchmark records)."""

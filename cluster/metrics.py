@@ -74,6 +74,10 @@ class EngineStats(BaseModel):
     num_requests_running: int = Field(0, ge=0)
     num_requests_waiting: int = Field(0, ge=0)
     kv_cache_usage_perc: float = Field(0.0, ge=0.0, le=1.0, description="1.0 = 100%")
+    kv_blocks_in_use: int = Field(0, ge=0, description="held, not cached-and-free")
+    mamba_slots_in_use: int = Field(0, ge=0, description="live-state slots held")
+    transfers_in_flight: int = Field(0, ge=0, description="sends and receives under way")
+    handoffs_held: int = Field(0, ge=0, description="prefill requests held for a transfer")
     # Cumulative totals.
     num_preemptions: int = Field(0, ge=0)
     snapshot_hits: int = Field(0, ge=0, description="Mamba snapshots found for a prefix hit")
@@ -81,12 +85,18 @@ class EngineStats(BaseModel):
     reused_tokens: int = Field(0, ge=0, description="prompt tokens not recomputed")
     transfer_bytes: int = Field(0, ge=0, description="KV + Mamba state bytes moved")
     transfer_failures: dict[str, int] = Field(default_factory=dict, description="by reason")
+    integrity_failures: int = Field(0, ge=0, description="idle pool recounts that failed")
 
 
 _ENGINE_GAUGES = {
     "num_requests_running": "Requests in the engine's running batch.",
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1.0 = 100%).",
+    # Leak detectors: all 0 on an idle engine.
+    "kv_blocks_in_use": "KV blocks held by requests, hand-offs, receives or quarantine.",
+    "mamba_slots_in_use": "Mamba live-state slots held by requests, hand-offs or receives.",
+    "transfers_in_flight": "KV/state transfers being sent or received.",
+    "handoffs_held": "Prefilled requests holding their pages for a transfer.",
 }
 _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted by the scheduler.",
@@ -94,6 +104,7 @@ _ENGINE_COUNTERS = {
     "snapshot_misses": "Prefix lookups that found no usable Mamba state snapshot.",
     "reused_tokens": "Prompt tokens reused instead of recomputed.",
     "transfer_bytes": "Bytes of KV and Mamba state transferred.",
+    "integrity_failures": "Idle-time cache recounts that found the pools inconsistent.",
 }
 
 

@@ -2,9 +2,10 @@
 stream. The ingress runs it for every request; engines are reached through `EngineClient`
 (Ray actor handles in the service, `EngineWorker`s directly in tests).
 
-    1. route     the router picks the decode engine, and a prefill engine unless the decode
-                 engine should run the whole request (colocated engines, or a short new part
-                 of a conversation it holds)
+    1. route     the router admits the request (or refuses it: RouteRefused, before anything
+                 is allocated) and picks the decode engine, and a prefill engine unless the
+                 decode engine should run the whole request (colocated engines, or a short
+                 new part of a conversation it holds)
     2. expect    the decode engine opens the request's stream and says where to send it
     3. prefill   the prefill engine computes the prompt and the first token and ships the
                  state to that address; the first token streams at once
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.router import RouteRefused
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class Orchestrator:
         request_id = request.request_id
         # 1. route
         route = await self.router.route(request.prompt_token_ids, request.cache_salt)
+        if "refused" in route:
+            raise RouteRefused(**route["refused"])
         decode_name, prefill_name = route["decode"], route["prefill"]
         logger.info(
             "request %s: %s -> %s (%s, expect %d cached)",

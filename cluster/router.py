@@ -14,6 +14,13 @@ Policies (selectable, so benchmarks can compare them side by side in one run):
 
 Without prefill engines (a colocated deployment) the decode engines do everything and are
 scored the same way.
+
+Admission comes first. A request is queued when the decode engines already run as many
+requests as they have sequence slots (`max_num_seqs` each); once `max_queued_requests` wait,
+the next request is refused (`RouteRefused`, a 429 for the client) before anything is
+allocated for it anywhere:
+
+    in flight on the decode engines:  [ running: Σ max_num_seqs | queued: ≤ max_queued ] + new?
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +59,16 @@ class RouterConfig(BaseModel):
     )
 
 
+class RouteRefused(Exception):
+    """No engine takes the request now: `status` 429 (queue full, retry later) or 503 (no
+    decode engine is alive)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 @dataclass(frozen=True)
 class Route:
     """Where one request runs. `prefill` None: the decode engine prefills it itself."""
@@ -68,12 +85,17 @@ class Router:
         config: RouterConfig,
         index: PrefixIndex,
         prefill_engines: Sequence[str],
-        decode_engines: Sequence[str],
+        decode_engines: Mapping[str, int],
+        max_queued_requests: int | None = None,
     ) -> None:
+        """`decode_engines`: each decode engine's `max_num_seqs`; `max_queued_requests`: None
+        for an unbounded queue."""
         self.config = config
         self.index = index
         self.prefill_engines = list(prefill_engines)
         self.decode_engines = list(decode_engines)
+        self.capacity = dict(decode_engines)
+        self.max_queued_requests = max_queued_requests
         self.load: Counter[str] = Counter()
         self._turns = itertools.count()
 
@@ -86,13 +108,13 @@ class Router:
         for engines in (self.prefill_engines, self.decode_engines):
             if name in engines:
                 engines.remove(name)
+        self.capacity.pop(name, None)
         self.load.pop(name, None)
         self.index.remove_engine(name)
 
     def route(self, token_ids: Sequence[int], cache_salt: str | None) -> Route:
         """Choose engines and count the request against their load (`release` each)."""
-        if not self.decode_engines:
-            raise RuntimeError("no decode engine is alive")
+        self._admit()
         policy = self.config.policy
         if policy == "round-robin":
             route = self._round_robin()
@@ -103,6 +125,22 @@ class Router:
             if engine is not None:
                 self.load[engine] += 1
         return route
+
+    def num_queued(self, extra: int = 0) -> int:
+        """Requests in flight (plus `extra`) beyond what the decode engines run at once."""
+        running = sum(self.capacity[e] for e in self.decode_engines)
+        return max(0, sum(self.load[e] for e in self.decode_engines) + extra - running)
+
+    def _admit(self) -> None:
+        if not self.decode_engines:
+            raise RouteRefused(503, "no decode engine is alive; retry once one is back")
+        limit = self.max_queued_requests
+        if limit is not None and self.num_queued(extra=1) > limit:
+            raise RouteRefused(
+                429,
+                f"the service is at capacity: {self.num_queued()} requests are queued "
+                f"(max_queued_requests={limit}); retry later",
+            )
 
     def release(self, engine: str) -> None:
         """One request no longer runs on `engine` (prefill: handed off; decode: finished)."""

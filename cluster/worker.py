@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from hybridserve.workers.disaggregation import Handoff
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.005
+AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
 
 
@@ -142,6 +143,11 @@ class EngineWorker:
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
+        # The stepping loop's heartbeat: the time it last came round (health() reads it).
+        self.last_beat = time.monotonic()
+        self._sends_in_flight = 0
+        self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
+        self._last_audit = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"{name}-step", daemon=True)
         self._thread.start()
         logger.info("engine worker %s (%s) ready", name, self.role)
@@ -166,17 +172,27 @@ class EngineWorker:
             "partial_reuse": self.engine.config.enable_partial_reuse,
         }
 
-    def health(self) -> None:
-        """Raises EngineUnavailable once the engine has stopped (a rank died or hung)."""
+    def health(self, stall_timeout_s: float | None = None) -> None:
+        """Raises EngineUnavailable once the engine has stopped (a rank died or hung) or, with
+        `stall_timeout_s`, when its stepping loop has not come round for that long (wedged:
+        a step that never returns, a lock never released). Answers without the engine lock,
+        so a wedged engine cannot hold up its own health check."""
         reason = self.engine.dead
         if reason is not None:
             raise EngineUnavailable(f"engine {self.name} stopped: {reason}")
+        silent = time.monotonic() - self.last_beat
+        if stall_timeout_s is not None and silent > stall_timeout_s:
+            raise EngineUnavailable(
+                f"engine {self.name} is wedged: its stepping loop has not come round for "
+                f"{silent:.1f} s (engine_stall_timeout_s={stall_timeout_s:g})"
+            )
 
     def stats(self) -> dict[str, Any]:
         """Load and cache figures for routing and /metrics."""
         with self.lock:
             cache = self.engine.cache
             scheduler = self.engine.scheduler
+            handoffs = self.engine.handoffs
             num_blocks = self.engine.num_kv_blocks
             used = num_blocks - cache.num_free_blocks
             return {
@@ -193,7 +209,18 @@ class EngineWorker:
                 "transfer_failures": dict(self.transfer_failures),
                 "num_free_blocks": cache.num_free_blocks,
                 "num_free_slots": cache.num_free_slots,
+                # Held by requests, hand-offs, receives or quarantine (blocks cached in the
+                # prefix tree and free to reuse are not): all 0 on an idle engine.
+                "kv_blocks_in_use": used,
+                "mamba_slots_in_use": cache.mamba.num_live_slots - cache.num_free_slots,
+                "transfers_in_flight": self._sends_in_flight + self._num_receiving(),
+                "handoffs_held": len(handoffs.pending) if handoffs is not None else 0,
+                "integrity_failures": self.integrity_failures,
             }
+
+    def _num_receiving(self) -> int:
+        receives = self.engine.receives
+        return len(receives.receiving) if receives is not None else 0
 
     def check_integrity(self) -> dict[str, Any]:
         """Recount the pools; the free counts once no request runs (for tests and probes)."""
@@ -391,6 +418,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.last_beat = time.monotonic()
             try:
                 with self.lock:
                     outputs = self.engine.step()
@@ -406,8 +434,30 @@ class EngineWorker:
                 self._ship(handoff)
             self._flush_cache_events()
             if not busy:
+                self._audit()
                 self._wake.wait(IDLE_WAIT_SECONDS * 20)
                 self._wake.clear()
+
+    def _audit(self) -> None:
+        """Now and then while idle, recount the pools (cheap with nothing running): a
+        failure is counted (`integrity_failures`) and logged with the requests involved."""
+        if time.monotonic() - self._last_audit < AUDIT_INTERVAL_SECONDS:
+            return
+        self._last_audit = time.monotonic()
+        with self.lock:
+            try:
+                self.engine.cache.check_integrity()
+            except (AssertionError, RuntimeError) as exc:
+                self.integrity_failures += 1
+                scheduler = self.engine.scheduler
+                held = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+                held += list(scheduler.transferring)
+                logger.error(
+                    "engine %s: cache integrity check failed (%s); requests held: %s",
+                    self.name,
+                    exc,
+                    held or "none",
+                )
 
     def _deliver(self, output: RequestOutput) -> None:
         """The new tokens of one choice, as an event on its request's stream."""
@@ -451,8 +501,20 @@ class EngineWorker:
                 self.engine.release_handoff(request_id, "no destination")
             return
         sender, executor = self._sender(stream.decode_address)
+        self._sends_in_flight += 1
         future = executor.submit(sender.send, request_id, handoff.message)
-        future.add_done_callback(lambda f: self._shipped(stream, f.result()))
+        future.add_done_callback(lambda f: self._shipped(stream, self._outcome(request_id, f)))
+
+    def _outcome(self, request_id: str, future: Future[SendOutcome]) -> SendOutcome:
+        """A send's outcome; one that raised (it should not) still resolves the request:
+        failed, its hand-off released, so the decode side recovers and nothing stays held."""
+        exc = future.exception()
+        if exc is None:
+            return future.result()
+        logger.error("request %s: the transfer send raised", request_id, exc_info=exc)
+        with self.lock:
+            self.engine.release_handoff(request_id, f"send raised: {exc!r}")
+        return SendOutcome(request_id, "failed", f"the send raised {exc!r}")
 
     def _sender(self, address: tuple[str, int]) -> tuple[TransferSender, ThreadPoolExecutor]:
         if address not in self._senders:
@@ -470,6 +532,7 @@ class EngineWorker:
         return self._senders[address]
 
     def _shipped(self, stream: _Stream, outcome: SendOutcome) -> None:
+        self._sends_in_flight -= 1
         self.transfer_stats["bytes"] += outcome.bytes_sent
         status = "handed_off" if outcome.ok else "transfer_failed"
         if not outcome.ok:

@@ -344,12 +344,16 @@ class TransferSender:
             if not isinstance(ack, TransferAck) or ack.request_id != request_id:
                 raise TransferFailed(f"request {request_id}: expected TransferAck, got {ack!r}")
             sent = sum(1 for c in copies if c.kind == "kv")
-        except TransferFailed as exc:
+        except Exception as exc:
+            # NOTE: whatever went wrong (a TransferFailed, or a bug that raised anything else),
+            # the request is resolved: the peer is told, the link starts afresh, the pages go.
+            if not isinstance(exc, TransferFailed):
+                logger.exception("request %s: the send raised unexpectedly", request_id)
             with contextlib.suppress(TransferFailed):
-                channel.send(TransferAbort(request_id, str(exc)))
+                channel.send(TransferAbort(request_id, str(exc) or type(exc).__name__))
             self.close_link()
             safe = not data_started or self.backend.name == "tcp"
-            return self._release(request_id, "failed", str(exc), now=safe)
+            return self._release(request_id, "failed", str(exc) or type(exc).__name__, now=safe)
         self._release(request_id, "acked", "", now=True)
         return SendOutcome(request_id, "acked", "", sent, reply.held_blocks, nbytes)
 

@@ -145,8 +145,19 @@ def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]
         time.sleep(0.2)
 
 
+IN_USE = ("kv_blocks_in_use", "mamba_slots_in_use", "transfers_in_flight", "handoffs_held")
+
+
 def assert_at_baseline(service: Service) -> None:
+    """Nothing running or held on any engine: pools recounted and free, and the leak
+    metrics (what /metrics exports) at 0."""
     for name, report in settle(service).items():
         assert not report["busy"], name
         assert report["num_free_blocks"] == report["num_blocks"], name
         assert report["num_free_slots"] == report["num_live_slots"], name
+    engines = service.engines()
+    for name, stats in zip(
+        engines, ray.get([h.stats.remote() for h in engines.values()]), strict=True
+    ):
+        assert {key: stats[key] for key in IN_USE} == dict.fromkeys(IN_USE, 0), name
+        assert stats["integrity_failures"] == 0, name

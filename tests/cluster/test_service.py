@@ -271,6 +271,14 @@ def test_metrics_expose_request_and_hybrid_counters(service):
         "hybridserve:prefix_index_blocks",
     ):
         assert name in text, name
+    # The leak detectors, per engine: 0 with nothing running.
+    for name in ("kv_blocks_in_use", "mamba_slots_in_use", "transfers_in_flight", "handoffs_held"):
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"hybridserve:{name}{{")
+        ]
+        assert values == [0.0] * 3, (name, values)
     assert httpx.get(f"{service.base_url}/metrics").status_code == 401
 
 
