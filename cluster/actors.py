@@ -34,6 +34,7 @@ class RouterActor:
     ) -> None:
         """`decode_engines`: name -> max_num_seqs."""
         self.index = PrefixIndex()
+        self.block_size, self.partial_reuse = block_size, partial_reuse
         for name in (*prefill_engines, *decode_engines):
             self.index.add_engine(name, block_size=block_size, partial_reuse=partial_reuse)
         self.router = Router(
@@ -59,6 +60,11 @@ class RouterActor:
 
     def remove_engine(self, name: str) -> None:
         self.router.remove_engine(name)
+
+    def add_engine(self, name: str, capacity: int | None, incarnation: int) -> None:
+        """A restarted engine (`capacity` None: a prefill engine); its index starts empty."""
+        self.router.add_engine(name, capacity=capacity, incarnation=incarnation)
+        self.index.add_engine(name, block_size=self.block_size, partial_reuse=self.partial_reuse)
 
     def set_policy(self, policy: str) -> None:
         """Benchmarks compare policies on one deployment (each starts from the same state)."""

@@ -46,7 +46,7 @@ from hybridserve.cluster.openai_responses import (
     sse_event,
     usage_chunk,
 )
-from hybridserve.cluster.orchestrator import Orchestrator
+from hybridserve.cluster.orchestrator import Orchestrator, StaleTopology
 from hybridserve.cluster.router import RouteRefused
 from hybridserve.workers.models.loader import load_tokenizer
 from hybridserve.workers.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ class OpenAIIngress:
         if self._topology is None:
             self._topology = await self.coordinator.topology.remote()
             model = self._topology["model"]
-            self.metrics = ServiceMetrics(model["model_id"], model["max_model_len"])
+            if self.metrics is None:
+                self.metrics = ServiceMetrics(model["model_id"], model["max_model_len"])
         return self._topology
 
     # ---- auth and parsing -----------------------------------------------------------------
@@ -227,20 +228,39 @@ class OpenAIIngress:
             stable_prompt_len=stable_len,
         )
         reply = Reply(self.tokenizer, body, request, meta)
-        events = self._run(request, topology)
-        if self.config.request_timeout_s is not None:
-            events = _within(events, self.config.request_timeout_s, request.request_id)
-        events = await self._admitted(events)
+        try:
+            events = await self._admitted(self._events(request, topology))
+        except StaleTopology:  # an engine was restarted since this replica last looked
+            self._topology = None
+            events = await self._admitted(self._events(request, await self._topo()))
         if body.stream:
             return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
         return JSONResponse(await self._collect(events, reply))
+
+    def _events(
+        self, request: GenerateRequest, topology: dict[str, Any]
+    ) -> AsyncIterator[TokenEvent]:
+        events = self._run(request, topology)
+        if self.config.request_timeout_s is not None:
+            events = _within(events, self.config.request_timeout_s, request.request_id)
+        return events
 
     async def _run(
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
         engines = {name: RayEngine(name, h) for name, h in topology["engines"].items()}
-        orchestrator = Orchestrator(RayRouter(topology["router"]), engines, self._engine_died)
+        incarnations = topology["incarnations"]
+
+        async def engine_died(name: str) -> None:
+            # The incarnation this request used: a report about an engine that has been
+            # restarted since is stale, and must not take the new one down.
+            await self.coordinator.mark_dead.remote(name, incarnations.get(name))
+            self._topology = None  # routed afresh from now on
+
+        orchestrator = Orchestrator(
+            RayRouter(topology["router"]), engines, engine_died, incarnations
+        )
         async for event in orchestrator.run(request):
             yield event
 
@@ -269,10 +289,6 @@ class OpenAIIngress:
                 await events.aclose()
 
         return resumed()
-
-    async def _engine_died(self, name: str) -> None:
-        await self.coordinator.mark_dead.remote(name)
-        self._topology = None  # routed afresh from now on
 
     def _observe(self, reply: Reply, start: float) -> None:
         if self.metrics is not None:

@@ -90,6 +90,12 @@ class ServiceConfig(BaseModel):
         description="a request still running this long after it arrived ends with a 504 "
         "(an error event in a stream) and is aborted on every engine; None: no deadline",
     )
+    max_engine_restarts: int = Field(
+        3, ge=0, description="how often the Coordinator restarts an engine that died or wedged"
+    )
+    engine_restart_backoff_s: float = Field(
+        1.0, ge=0, description="the wait before an engine's first restart; doubles per attempt"
+    )
     max_queued_requests: int | None = Field(
         1024,
         ge=0,

@@ -4,15 +4,19 @@ A Ray Serve deployment with one replica. It starts the router first (so no cache
 lost), then every engine, and hands their handles to the ingress replicas. An engine with
 `tensor_parallel_size` > 1 gets a placement group of one bundle per rank (`rank_resources`,
 `placement_strategy`): its EngineActor holds bundle 0 and starts the other ranks in the rest.
-Serve calls `check_health` periodically: an engine that stopped answering, or whose ranks
-failed, is dropped from the router (its index entries go with it), its placement group is
-removed, and the service stays healthy while at least one decode engine is alive. On shutdown
-it drains the engines, then removes their placement groups.
+Serve calls `check_health` periodically (and /health asks at once): an engine that stopped
+answering, whose ranks failed or whose stepping loop is wedged is dropped from the router (its
+index entries go with it), its actors are killed or its placement group removed, and it is
+restarted after a backoff (`max_engine_restarts`, `engine_restart_backoff_s`, doubling per
+attempt) as a new incarnation under the same name, with an empty index. The service stays
+healthy while at least one decode engine is alive. On shutdown it drains the engines, then
+removes their placement groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -72,6 +76,11 @@ class Coordinator:
             "max_model_len": min(d["max_model_len"] for d in described),
         }
         self.dead: set[str] = set()
+        # A restarted engine is a new incarnation under its old name; reports about an older
+        # one are stale (mark_dead ignores them).
+        self.incarnations = dict.fromkeys(self.engines, 0)
+        self.restarts: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self._restarting: dict[str, asyncio.Task[None]] = {}
         logger.info("service ready: %s", ", ".join(f"{n} ({r})" for n, r in names.items()))
 
     def _start_engine(self, name: str, engine: EngineConfig) -> Any:
@@ -114,17 +123,69 @@ class Coordinator:
     def topology(self) -> dict[str, Any]:
         """What an ingress replica needs: the router, live engines, the model's limits."""
         live = {n: h for n, h in self.engines.items() if n not in self.dead}
-        return {"router": self.router, "engines": live, "model": self.model_info}
+        return {
+            "router": self.router,
+            "engines": live,
+            "incarnations": {n: self.incarnations[n] for n in live},
+            "model": self.model_info,
+        }
 
-    async def mark_dead(self, name: str) -> None:
-        """An ingress saw `name` fail: stop routing to it."""
-        if name in self.engines and name not in self.dead:
-            self.dead.add(name)
-            await self.router.remove_engine.remote(name)
-            logger.error("engine %s is dead: removed from routing and the prefix index", name)
+    async def mark_dead(self, name: str, incarnation: int | None = None) -> None:
+        """`name` failed (an ingress saw it die, or it failed a health check): stop routing
+        to it, make sure its actors are gone, and restart it. A report about an incarnation
+        that has been restarted since is ignored."""
+        if name not in self.engines or name in self.dead:
+            return
+        if incarnation is not None and incarnation != self.incarnations[name]:
+            return
+        self.dead.add(name)
+        await self.router.remove_engine.remote(name)
+        logger.error("engine %s is dead: removed from routing and the prefix index", name)
+        group = self.placement_groups.pop(name, None)
+        if group is not None:
+            remove_placement_group(group)  # its rank actors (and its engine actor) go
+        else:  # dead, or alive but wedged: either way it must not linger
+            with contextlib.suppress(Exception):
+                ray.kill(self.engines[name], no_restart=True)
+        self._schedule_restart(name)
+
+    def _schedule_restart(self, name: str) -> None:
+        attempt = self.restarts[name] + 1
+        if attempt > self.config.max_engine_restarts:
+            logger.error(
+                "engine %s stays down: max_engine_restarts=%d reached",
+                name,
+                self.config.max_engine_restarts,
+            )
+            return
+        self.restarts[name] = attempt
+        self._restarting[name] = asyncio.get_running_loop().create_task(
+            self._restart(name, attempt)
+        )
+
+    async def _restart(self, name: str, attempt: int) -> None:
+        """Start `name` afresh after a backoff (doubling per attempt); it rejoins routing with
+        an empty prefix index once its model has loaded."""
+        delay = self.config.engine_restart_backoff_s * 2 ** (attempt - 1)
+        await asyncio.sleep(delay)
+        role = self.roles[name]
+        engine = self.config.engine_config(role)
+        try:
+            handle = await asyncio.to_thread(self._start_engine, name, engine)
+            await handle.describe.remote()
+        except Exception as exc:
+            logger.error("engine %s: restart %d failed: %r", name, attempt, exc)
             group = self.placement_groups.pop(name, None)
             if group is not None:
-                remove_placement_group(group)  # its rank actors (and its engine actor) go
+                remove_placement_group(group)
+            self._schedule_restart(name)
+            return
+        self.engines[name] = handle
+        self.incarnations[name] += 1
+        capacity = None if role == "prefill" else engine.max_num_seqs
+        await self.router.add_engine.remote(name, capacity, self.incarnations[name])
+        self.dead.discard(name)
+        logger.info("engine %s restarted (attempt %d, after %.1f s)", name, attempt, delay)
 
     async def check_health(self) -> None:
         await self._probe_engines()
@@ -176,6 +237,8 @@ class Coordinator:
         )
 
     async def __del__(self) -> None:
+        for task in self._restarting.values():
+            task.cancel()
         timeout = self.config.drain_timeout_s
         live = [h for n, h in self.engines.items() if n not in self.dead]
         results = await asyncio.gather(

@@ -1,9 +1,16 @@
 """The orchestrator's clients over Ray actor handles: `RayEngine` (an EngineActor) and
 `RayRouter` (the RouterActor). Only plain dicts cross the actor calls (cluster/messages.py).
-A call or stream that fails because the actor is gone raises EngineDied with its name."""
+A call or stream that fails because the actor is gone raises EngineDied with its name.
+
+Every awaited call is shielded: when a request's coroutine is cancelled (its client went
+away), the actor call it awaited runs to its end instead of being cancelled by Ray. A Ray
+cancellation of an actor task still queued on the caller's side can leave a gap in that
+caller's task sequence, which stalls its next calls to the actor for 30 s (Ray's reorder
+wait); the request is aborted explicitly instead (`Orchestrator`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,15 +27,19 @@ class RayEngine:
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self.handle, method).remote(*args)
+            return await asyncio.shield(getattr(self.handle, method).remote(*args))
         except RayActorError as exc:
             raise EngineDied(self.name) from exc
 
     async def _stream(self, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
         stream = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
         try:
-            async for ref in stream:
-                yield TokenEvent.from_dict(await ref)
+            while True:
+                try:
+                    ref = await asyncio.shield(anext(stream))
+                except StopAsyncIteration:
+                    return
+                yield TokenEvent.from_dict(await asyncio.shield(ref))
         except RayActorError as exc:
             raise EngineDied(self.name) from exc
 
@@ -63,7 +74,19 @@ class RayRouter:
         self.handle = handle
 
     async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
-        return await self.handle.route.remote(token_ids, cache_salt)
+        call = asyncio.ensure_future(self.handle.route.remote(token_ids, cache_salt))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The route is counted against its engines' load when it lands: give it back.
+            call.add_done_callback(self._release_unused)
+            raise
+
+    def _release_unused(self, call: asyncio.Future[dict[str, Any]]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        for engine in call.result().get("incarnations", {}):
+            self.handle.release.remote(engine)
 
     async def release(self, engine: str) -> None:
         self.handle.release.remote(engine)  # fire and forget, in order on the actor

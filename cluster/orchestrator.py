@@ -24,13 +24,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.router import RouteRefused
 
 logger = logging.getLogger(__name__)
+
+
+class StaleTopology(RuntimeError):
+    """The router chose an engine this caller holds no current handle for (it was restarted,
+    or started after the caller's topology was taken): refresh the topology and retry."""
 
 
 class EngineDied(RuntimeError):
@@ -73,10 +78,13 @@ class Orchestrator:
         router: RouterClient,
         engines: dict[str, EngineClient],
         on_engine_dead: Callable[[str], Awaitable[None]],
+        incarnations: Mapping[str, int] | None = None,
     ) -> None:
+        """`incarnations`: the incarnation of each engine in `engines` (None: not checked)."""
         self.router = router
         self.engines = engines
         self.on_engine_dead = on_engine_dead
+        self.incarnations = incarnations
 
     async def run(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """The request's TokenEvents, ending with one that carries a finish reason. If the
@@ -87,6 +95,13 @@ class Orchestrator:
         if "refused" in route:
             raise RouteRefused(**route["refused"])
         decode_name, prefill_name = route["decode"], route["prefill"]
+        if self.incarnations is not None and any(
+            self.incarnations.get(name) != incarnation
+            for name, incarnation in route["incarnations"].items()
+        ):
+            for name in route["incarnations"]:
+                await self.router.release(name)
+            raise StaleTopology(f"request {request_id}: routed to {route['incarnations']}")
         logger.info(
             "request %s: %s -> %s (%s, expect %d cached)",
             request_id,

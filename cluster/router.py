@@ -29,7 +29,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,6 +77,9 @@ class Route:
     decode: str
     expected_cached_tokens: int
     reason: str
+    # The chosen engines' incarnations (a restarted engine is a new one under the same name),
+    # so a caller holding an older handle can tell.
+    incarnations: dict[str, int] = field(default_factory=dict)
 
 
 class Router:
@@ -96,6 +99,7 @@ class Router:
         self.decode_engines = list(decode_engines)
         self.capacity = dict(decode_engines)
         self.max_queued_requests = max_queued_requests
+        self.incarnations = dict.fromkeys([*prefill_engines, *decode_engines], 0)
         self.load: Counter[str] = Counter()
         self._turns = itertools.count()
 
@@ -121,10 +125,21 @@ class Router:
         else:
             scores = self.index.score(token_ids, cache_salt)
             route = self._scored(len(token_ids), scores, snapshot_aware=policy != "attention-only")
-        for engine in (route.prefill, route.decode):
-            if engine is not None:
-                self.load[engine] += 1
-        return route
+        chosen = [e for e in (route.prefill, route.decode) if e is not None]
+        for engine in chosen:
+            self.load[engine] += 1
+        return replace(route, incarnations={e: self.incarnations[e] for e in chosen})
+
+    def add_engine(self, name: str, *, capacity: int | None, incarnation: int) -> None:
+        """A (re)started engine: routable again, with an empty index (`capacity`: its
+        max_num_seqs for a decode engine, None for a prefill engine)."""
+        self.remove_engine(name)
+        if capacity is None:
+            self.prefill_engines.append(name)
+        else:
+            self.decode_engines.append(name)
+            self.capacity[name] = capacity
+        self.incarnations[name] = incarnation
 
     def num_queued(self, extra: int = 0) -> int:
         """Requests in flight (plus `extra`) beyond what the decode engines run at once."""

@@ -52,6 +52,7 @@ COLOCATED_SERVICE = {
     "engine": ENGINE,
     "api_keys": [API_KEY],
     "torch_threads": 1,
+    "max_engine_restarts": 0,  # its last test takes the only engine out for good
 }
 
 

@@ -30,6 +30,7 @@ ADMISSION_SERVICE = {
     "torch_threads": 1,
     "max_queued_requests": 8,
     "engine_stall_timeout_s": STALL_TIMEOUT_S,
+    "max_engine_restarts": 0,  # its last test takes the only decode engine out for good
 }
 
 

@@ -7,6 +7,7 @@ counts for leaks. The engine-killing scenario runs last (this module's final tes
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import openai
 import pytest
 import ray
 
+from hybridserve.cluster.openai_protocol import derive_cache_salt
 from hybridserve.workers import LLM, SamplingParams
 from tests.cluster.conftest import (
     API_KEY,
@@ -293,7 +295,7 @@ def test_clearing_the_caches_empties_the_prefix_index_at_once(service):
 
 
 def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
-    """Runs last: it leaves the service with one decode engine."""
+    """Runs after the rest: the killed engine is gone until the Coordinator restarts it."""
     stream = client(service).completions.create(
         model="tiny",
         prompt=PROMPT,
@@ -315,4 +317,26 @@ def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
     router = service.topology()["router"]
     assert victim not in ray.get(router.stats.remote())["engines"]
     assert victim not in ray.get(router.score.remote(list(range(40)), None))
+    assert_at_baseline(service)
+
+
+def test_zzz_the_killed_engine_is_restarted_and_serves_again(service):
+    """After the previous test: the Coordinator restarts the killed decode engine (a new
+    incarnation under its name, with an empty index) and routes to it again."""
+    deadline = time.monotonic() + 120
+    while "decode-1" not in service.engines() or "decode-0" not in service.engines():
+        assert time.monotonic() < deadline, "the killed engine did not come back"
+        time.sleep(0.5)
+    topology = service.topology()
+    assert sorted(topology["incarnations"].values()) == [0, 0, 1]  # one restarted
+    (restarted,) = [n for n, i in topology["incarnations"].items() if i == 1]
+    router = topology["router"]
+    prompts = [[7 + i, *range(60, 100)] for i in range(4)]  # fresh: no engine holds them
+    for prompt in prompts:  # no reuse anywhere: ties go round both decode engines
+        result = client(service).completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        assert result.choices[0].finish_reason == "length"
+    salt = derive_cache_salt("tenant-a", None)  # the tenant of API_KEY
+    scores = [ray.get(router.score.remote(p, salt)) for p in prompts]
+    served = [s[restarted]["attention_tokens"] for s in scores]
+    assert any(served), scores  # its cache events reach the index: it holds a prompt
     assert_at_baseline(service)

@@ -79,7 +79,7 @@ def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
 def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_serving(
     tp_service,
 ):
-    """Runs last in this module: it leaves one engine."""
+    """Runs last in this module: it kills a rank of one engine, which is restarted."""
     errors: list[str] = []
     finished: list[str] = []
 
@@ -112,14 +112,16 @@ def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_se
     for thread in threads:
         thread.join(timeout=120)
     assert errors and all("tensor-parallel rank 1 died" in e for e in errors), errors
-    # The Coordinator's health check drops the engine (and its index entries, and its
-    # placement group); a probe is served by the other engine.
-    deadline = time.monotonic() + 30
-    while victim in tp_service.engines():
-        assert time.monotonic() < deadline, "the dead engine was never dropped"
+    # The engine is dropped (its index entries and its placement group go) and restarted: a
+    # new incarnation with two new ranks in a new placement group.
+    deadline = time.monotonic() + 90
+    while tp_service.topology()["incarnations"].get(victim) != 1:
+        assert time.monotonic() < deadline, "the dead engine was never restarted"
         time.sleep(0.2)
     router = tp_service.topology()["router"]
-    assert victim not in ray.get(router.stats.remote())["engines"]
+    assert victim in ray.get(router.stats.remote())["engines"]
+    restarted = tp_service.engines()[victim]
+    assert len(ray.get(restarted.rank_actors.remote())) == 1
     probe = client(tp_service).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     assert probe.choices[0].finish_reason == "length"
     assert_at_baseline(tp_service)
