@@ -3,9 +3,11 @@ PrefixIndex). Only dicts of plain data cross these calls (`cluster/messages.py`)
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
@@ -18,10 +20,23 @@ from hybridserve.workers import EngineConfig
 logger = logging.getLogger(__name__)
 
 
-@ray.remote
+# NOTE: out of order, so that Ray never holds a caller's later calls back behind one of its
+# calls that has not arrived (a gap in Ray's per-caller sequence stalls an in-order actor for
+# 30 s, which bursts of requests with client disconnects provoked). Order matters only for an
+# engine's cache events, which carry their own sequence numbers.
+@dataclass
+class _EventStream:
+    """One engine incarnation's cache event batches: the next to apply, and early ones."""
+
+    next_seq: int = 0
+    pending: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@ray.remote(allow_out_of_order_execution=True)
 class RouterActor:
-    """One per service. A synchronous actor: calls run one at a time, in the order each
-    caller sent them, so an engine's cache events are applied in order."""
+    """One per service, one call at a time. Each engine's cache event batches are numbered
+    (per incarnation) and applied in that order, a batch that arrives early waiting for
+    the ones before it."""
 
     def __init__(
         self,
@@ -44,9 +59,26 @@ class RouterActor:
             decode_engines,
             max_queued_requests,
         )
+        self._streams: dict[str, _EventStream] = {}
 
-    def apply_events(self, engine: str, events: list[dict[str, Any]]) -> None:
-        self.index.apply(engine, events)
+    def apply_events(
+        self, engine: str, incarnation: int, seq: int, events: list[dict[str, Any]]
+    ) -> None:
+        """Batch `seq` of an engine's incarnation; batches of an older incarnation (sent by
+        an engine that has since died) are dropped."""
+        if incarnation != self.router.incarnations.get(engine):
+            return
+        stream = self._streams.setdefault(engine, _EventStream())
+        stream.pending[seq] = events
+        while stream.next_seq in stream.pending:
+            self.index.apply(engine, stream.pending.pop(stream.next_seq))
+            stream.next_seq += 1
+
+    def applied(self, engine: str, incarnation: int, seq: int) -> bool:
+        """Whether batch `seq` (and every one before it) of that incarnation is applied."""
+        stream = self._streams.get(engine)
+        current = incarnation == self.router.incarnations.get(engine)
+        return not current or (stream is not None and stream.next_seq > seq)
 
     def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
         """The route, or {"refused": {"status", "message"}} when no engine takes it now."""
@@ -60,10 +92,12 @@ class RouterActor:
 
     def remove_engine(self, name: str) -> None:
         self.router.remove_engine(name)
+        self._streams.pop(name, None)
 
     def add_engine(self, name: str, capacity: int | None, incarnation: int) -> None:
         """A restarted engine (`capacity` None: a prefill engine); its index starts empty."""
         self.router.add_engine(name, capacity=capacity, incarnation=incarnation)
+        self._streams.pop(name, None)
         self.index.add_engine(name, block_size=self.block_size, partial_reuse=self.partial_reuse)
 
     def set_policy(self, policy: str) -> None:
@@ -97,6 +131,7 @@ class EngineActor:
         transfer_timeout: float = 30.0,
         transfer_host: str | None = None,
         placement: dict[str, Any] | None = None,
+        incarnation: int = 0,
     ) -> None:
         """`placement` ({"group", "bundle"}): a tensor-parallel engine's placement group, whose
         bundle 0 this actor holds; its other ranks become RankActors in the other bundles."""
@@ -122,11 +157,14 @@ class EngineActor:
                 ),
             )
         self.router = router
+        self.incarnation = incarnation
+        self._num_batches = 0  # cache event batches sent to the router (flushes are serial)
         sink = None
         if router is not None:
 
             def sink(engine: str, events: list[dict[str, Any]]) -> None:
-                router.apply_events.remote(engine, events)
+                seq, self._num_batches = self._num_batches, self._num_batches + 1
+                router.apply_events.remote(engine, incarnation, seq, events)
 
         self.worker = EngineWorker(
             name,
@@ -163,11 +201,17 @@ class EngineActor:
 
     async def clear_cache(self) -> None:
         """Drop every cached block and snapshot; returns once the router has applied the
-        removal events (a call to the same synchronous actor from this thread runs after
-        the events this thread sent before it)."""
+        removal events (and every batch before them)."""
         self.worker.clear_cache()
-        if self.router is not None:
-            await self.router.apply_events.remote(self.worker.name, [])
+        if self.router is None or self._num_batches == 0:
+            return
+        last = self._num_batches - 1
+        deadline = time.monotonic() + 30
+        name = self.worker.name
+        while not await self.router.applied.remote(name, self.incarnation, last):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {name}: the router did not apply its cache events")
+            await asyncio.sleep(0.01)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for event in self.worker.generate(GenerateRequest.from_dict(request)):

@@ -83,12 +83,13 @@ class Coordinator:
         self._restarting: dict[str, asyncio.Task[None]] = {}
         logger.info("service ready: %s", ", ".join(f"{n} ({r})" for n, r in names.items()))
 
-    def _start_engine(self, name: str, engine: EngineConfig) -> Any:
+    def _start_engine(self, name: str, engine: EngineConfig, incarnation: int = 0) -> Any:
         """The engine's actor; a tensor-parallel engine's first in its own placement group."""
         kwargs: dict[str, Any] = {
             "torch_threads": self.config.torch_threads,
             "transfer_timeout": self.config.transfer_timeout_s,
             "transfer_host": self.config.transfer_host,
+            "incarnation": incarnation,
         }
         tp = engine.tensor_parallel_size
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
@@ -170,8 +171,9 @@ class Coordinator:
         await asyncio.sleep(delay)
         role = self.roles[name]
         engine = self.config.engine_config(role)
+        incarnation = self.incarnations[name] + 1
         try:
-            handle = await asyncio.to_thread(self._start_engine, name, engine)
+            handle = await asyncio.to_thread(self._start_engine, name, engine, incarnation)
             await handle.describe.remote()
         except Exception as exc:
             logger.error("engine %s: restart %d failed: %r", name, attempt, exc)
@@ -181,9 +183,9 @@ class Coordinator:
             self._schedule_restart(name)
             return
         self.engines[name] = handle
-        self.incarnations[name] += 1
+        self.incarnations[name] = incarnation
         capacity = None if role == "prefill" else engine.max_num_seqs
-        await self.router.add_engine.remote(name, capacity, self.incarnations[name])
+        await self.router.add_engine.remote(name, capacity, incarnation)
         self.dead.discard(name)
         logger.info("engine %s restarted (attempt %d, after %.1f s)", name, attempt, delay)
 

@@ -80,15 +80,10 @@ class Reply:
         choices = []
         prompt_ids = self.request.prompt_token_ids
         for i in range(len(self.streams)):
-            text = "".join(self.texts[i])
-            token_ids, logprobs = self.token_ids[i], self.logprobs[i]
-            if self.body_request.scoring_only:
-                text, token_ids, logprobs = "", [], []
-            entries = None
-            if self.wants_logprobs and self.meta.chat:
-                entries = self.formatter.chat(logprobs)
-            elif self.wants_logprobs:
-                entries = self._completion_logprobs(token_ids, logprobs, prompt=self.echo)
+            text, token_ids, logprobs = self._shown(
+                "".join(self.texts[i]), self.token_ids[i], self.logprobs[i]
+            )
+            entries = self._logprobs(token_ids, logprobs, prompt=self.echo)
             choices.append(
                 choice(
                     self.meta,
@@ -105,6 +100,32 @@ class Reply:
             choices,
             self.usage(),
             prompt_token_ids=prompt_ids if self.body_request.return_token_ids else None,
+        )
+
+    def _shown(
+        self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs]
+    ) -> tuple[str, list[int], list[TokenLogprobs]]:
+        """What a choice shows of its output: nothing for a scoring request (its one
+        generated token only made the engine run the prompt)."""
+        if self.body_request.scoring_only:
+            return "", [], []
+        return text, token_ids, logprobs
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        *,
+        prompt: bool,
+        text_offset: int = 0,
+    ) -> dict[str, Any] | None:
+        """The choice's `logprobs` field in the endpoint's shape (None when not asked for)."""
+        if not self.wants_logprobs:
+            return None
+        if self.meta.chat:
+            return self.formatter.chat(logprobs)
+        return self._completion_logprobs(
+            token_ids, logprobs, prompt=prompt, text_offset=text_offset
         )
 
     def _completion_logprobs(
@@ -140,17 +161,10 @@ class Reply:
         self.started[i] = True
         token_ids, self.token_ids[i] = self.token_ids[i], []
         logprobs, self.logprobs[i] = self.logprobs[i], []
-        text = delta.text
         echo = self.echo and first
-        if self.body_request.scoring_only:
-            text, token_ids, logprobs = "", [], []
-        entries = None
-        if self.wants_logprobs and self.meta.chat:
-            entries = self.formatter.chat(logprobs)
-        elif self.wants_logprobs:
-            entries = self._completion_logprobs(
-                token_ids, logprobs, prompt=echo, text_offset=self.text_offsets[i]
-            )
+        text, token_ids, logprobs = self._shown(delta.text, token_ids, logprobs)
+        entries = self._logprobs(token_ids, logprobs, prompt=echo, text_offset=self.text_offsets[i])
+        if entries is not None and not self.meta.chat:
             shown = [*(self.request.prompt_token_ids if echo else ()), *token_ids]
             self.text_offsets[i] += sum(len(self.formatter.text(t)) for t in shown)
         return_ids = self.body_request.return_token_ids

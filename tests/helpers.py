@@ -168,6 +168,20 @@ def hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt])).logits[0].float()
 
 
+# A JSON schema whose every valid instance is short: structured-output tests can bound
+# max_tokens and still see the grammar complete.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
 @torch.no_grad()
 def hf_logprobs(model: Any, prompt: list[int]) -> torch.Tensor:
     """(len(prompt), vocab) float32 log-probabilities: row i predicts token i + 1."""

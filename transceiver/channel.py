@@ -10,6 +10,7 @@ Every receive has a deadline; a closed peer, a timeout or a malformed frame rais
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import struct
@@ -19,6 +20,9 @@ from collections.abc import Callable
 from hybridserve.transceiver.protocol import MAX_MESSAGE_BYTES, Message, decode, encode
 
 _LENGTH = struct.Struct(">I")
+# Links one listener serves at once: the engines of a deployment, with room to spare.
+MAX_LINKS = 64
+logger = logging.getLogger(__name__)
 
 
 class TransferFailed(ConnectionError):
@@ -104,7 +108,8 @@ class Channel:
 
 class Listener:
     """Accepts links on a TCP port (`address`), each served by `serve(channel)` on a thread of
-    its own, until `close`."""
+    its own, until `close`. At most `max_links` are served at once: a link beyond them is
+    closed at accept (a peer that opens connections without end cannot exhaust threads)."""
 
     def __init__(
         self,
@@ -114,10 +119,13 @@ class Listener:
         timeout: float,
         name: str,
         port: int = 0,
+        max_links: int = MAX_LINKS,
     ) -> None:
         self.serve = serve
         self.timeout = timeout
         self.name = name
+        self.max_links = max_links
+        self._links = threading.BoundedSemaphore(max_links)
         self._server = socket.create_server((host, port))
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
@@ -128,17 +136,32 @@ class Listener:
     def _accept_loop(self) -> None:
         while not self.stopped.is_set():
             try:
-                sock, _ = self._server.accept()
+                sock, peer = self._server.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
+            if not self._links.acquire(blocking=False):
+                logger.warning(
+                    "%s: refused a link from %s: %d links are served already",
+                    self.name,
+                    peer,
+                    self.max_links,
+                )
+                sock.close()
+                continue
             threading.Thread(
-                target=self.serve,
+                target=self._serve_link,
                 args=(Channel(sock, self.timeout),),
                 name=f"{self.name}-link",
                 daemon=True,
             ).start()
+
+    def _serve_link(self, channel: Channel) -> None:
+        try:
+            self.serve(channel)
+        finally:
+            self._links.release()
 
     def close(self) -> None:
         self.stopped.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,6 +29,7 @@ SERVICE = {
     "torch_threads": 1,
     "transfer_timeout_s": 10.0,
     "router": {"decode_prefill_threshold": 64},
+    "max_queued_requests": 16,  # the soak's bursts go over it
 }
 
 
@@ -82,38 +84,36 @@ def service() -> Iterator[Service]:
         local.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tp_service(service: Service) -> Iterator[Service]:
-    """A second application on the session's cluster: tensor-parallel engines, under /tp."""
+@contextmanager
+def beside(service: Service, config: dict[str, Any], name: str, **fields: Any) -> Iterator[Service]:
+    """Another application on the session's cluster, under /<name>: Serve's one HTTP proxy
+    serves it beside the session's service; deleted afterwards."""
     from ray import serve
 
     from hybridserve.cluster import local
 
-    name = "hybridserve-tp"
-    url = urlsplit(service.base_url)  # Serve's one HTTP proxy serves both applications
+    url = urlsplit(service.base_url)
     try:
-        base_url = local.deploy(TP_SERVICE, url.hostname, url.port, name=name, route_prefix="/tp")
-        yield Service(base_url, local.coordinator(name))
+        base_url = local.deploy(
+            config, url.hostname, url.port, name=f"hybridserve-{name}", route_prefix=f"/{name}"
+        )
+        yield Service(base_url, local.coordinator(f"hybridserve-{name}"), **fields)
     finally:
-        serve.delete(name)
+        serve.delete(f"hybridserve-{name}")
+
+
+@pytest.fixture(scope="module")
+def tp_service(service: Service) -> Iterator[Service]:
+    """Tensor-parallel engines, under /tp."""
+    with beside(service, TP_SERVICE, "tp") as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")
 def colocated_service(service: Service) -> Iterator[Service]:
-    """A second application on the session's cluster: one colocated engine, under /colocated."""
-    from ray import serve
-
-    from hybridserve.cluster import local
-
-    name = "hybridserve-colocated"
-    url = urlsplit(service.base_url)
-    try:
-        base_url = local.deploy(
-            COLOCATED_SERVICE, url.hostname, url.port, name=name, route_prefix="/colocated"
-        )
-        yield Service(base_url, local.coordinator(name), shape="colocated")
-    finally:
-        serve.delete(name)
+    """One colocated engine, under /colocated."""
+    with beside(service, COLOCATED_SERVICE, "colocated", shape="colocated") as deployed:
+        yield deployed
 
 
 @pytest.fixture(params=["colocated", "disaggregated"])

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, Field
@@ -139,14 +140,16 @@ class Person(BaseModel):
 def test_langchain_chat_openai_invokes_streams_and_structures(service, offline):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(
-        model="tiny",
-        base_url=f"{service.base_url}/v1",
-        api_key=API_KEY,
-        temperature=0,
-        max_tokens=8,
-        max_retries=0,
-    )
+    def chat_model(**params: Any) -> ChatOpenAI:
+        return ChatOpenAI(
+            model="tiny",
+            base_url=f"{service.base_url}/v1",
+            api_key=API_KEY,
+            max_retries=0,
+            **params,
+        )
+
+    chat = chat_model(temperature=0, max_tokens=8)
     question = "What does a Mamba layer keep?"
     (expected,) = offline.chat(
         [{"role": "user", "content": question}], SamplingParams(max_tokens=8, temperature=0)
@@ -156,15 +159,9 @@ def test_langchain_chat_openai_invokes_streams_and_structures(service, offline):
     assert reply.usage_metadata["output_tokens"] == len(expected.token_ids)
     assert "".join(chunk.content for chunk in chat.stream(question)) == expected.text
 
-    structured = ChatOpenAI(
-        model="tiny",
-        base_url=f"{service.base_url}/v1",
-        api_key=API_KEY,
-        temperature=1.0,
-        seed=7,
-        max_tokens=80,
-        max_retries=0,
-    ).with_structured_output(Person, method="json_schema")
+    structured = chat_model(temperature=1.0, seed=7, max_tokens=80).with_structured_output(
+        Person, method="json_schema"
+    )
     person = structured.invoke("Describe a person as JSON.")
     assert isinstance(person, Person)
     assert_at_baseline(service)

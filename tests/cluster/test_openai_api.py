@@ -21,7 +21,7 @@ import torch
 
 from hybridserve.workers import LLM, SamplingParams
 from tests.cluster.conftest import API_KEY, ENGINE, Service, assert_at_baseline, client
-from tests.helpers import engine_logprobs
+from tests.helpers import PERSON_SCHEMA, engine_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -277,17 +277,6 @@ def test_logit_bias_forces_or_bans_a_token(deployment):
 
 # ---- structured output ------------------------------------------------------------------------
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
-
 
 def test_json_schema_output_parses_and_validates(deployment):
     text = "".join(chr(t) for t in PROMPT_IDS)
@@ -300,12 +289,12 @@ def test_json_schema_output_parses_and_validates(deployment):
             seed=seed,
             response_format={
                 "type": "json_schema",
-                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+                "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
             },
         )
         choice = result.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
-        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        jsonschema.validate(json.loads(choice.message.content), PERSON_SCHEMA)
     assert_at_baseline(deployment)
 
 

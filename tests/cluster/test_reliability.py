@@ -10,13 +10,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import ray
 
-from tests.cluster.conftest import API_KEY, ENGINE, Service, assert_at_baseline
+from tests.cluster.conftest import API_KEY, ENGINE, Service, assert_at_baseline, beside
 
 pytestmark = pytest.mark.slow
 
@@ -36,19 +35,8 @@ ADMISSION_SERVICE = {
 
 @pytest.fixture(scope="module")
 def admission_service(service: Service) -> Iterator[Service]:
-    from ray import serve
-
-    from hybridserve.cluster import local
-
-    name = "hybridserve-admission"
-    url = urlsplit(service.base_url)
-    try:
-        base_url = local.deploy(
-            ADMISSION_SERVICE, url.hostname, url.port, name=name, route_prefix="/admission"
-        )
-        yield Service(base_url, local.coordinator(name))
-    finally:
-        serve.delete(name)
+    with beside(service, ADMISSION_SERVICE, "admission") as deployed:
+        yield deployed
 
 
 def test_a_burst_over_the_queue_limit_gets_200s_and_429s_and_nothing_else(admission_service):

@@ -239,3 +239,37 @@ def test_a_listener_serves_each_link_on_its_own_thread_until_closed():
         Channel.connect(listener.address, timeout=1.0)
     for link in links:
         link.close()
+
+
+def test_a_listener_closes_links_beyond_its_cap_and_serves_again_once_one_ends():
+    release = threading.Event()
+    served: list[str] = []
+
+    def serve(channel: Channel) -> None:
+        served.append(channel.receive().request_id)
+        release.wait(5)
+        channel.close()
+
+    listener = Listener("127.0.0.1", serve, timeout=5.0, name="test-listener", max_links=2)
+    links = [Channel.connect(listener.address, timeout=5.0) for _ in range(2)]
+    for index, link in enumerate(links):
+        link.send(TransferDone(f"r{index}"))
+    deadline = time.monotonic() + 5
+    while len(served) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    extra = Channel.connect(listener.address, timeout=5.0)
+    with pytest.raises(TransferFailed, match="closed the connection"):
+        extra.receive(timeout=5.0)  # closed at accept: the cap holds
+    release.set()  # the two links end
+    deadline = time.monotonic() + 5
+    while True:  # a link is served again once a slot is free
+        again = Channel.connect(listener.address, timeout=5.0)
+        again.send(TransferDone("r2"))
+        time.sleep(0.1)
+        if "r2" in served or time.monotonic() > deadline:
+            break
+        again.close()
+    assert "r2" in served
+    listener.close()
+    for link in [*links, extra, again]:
+        link.close()

@@ -14,19 +14,9 @@ from hybridserve.workers import Engine, EngineConfig, SamplingParams
 from hybridserve.workers.models.tiny import tiny_tokenizer
 from hybridserve.workers.sampling_params import StructuredOutput
 from hybridserve.workers.structured_output import GrammarCompiler
-from tests.helpers import assert_pools_at_baseline
+from tests.helpers import PERSON_SCHEMA, assert_pools_at_baseline
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-    },
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
-SCHEMA = StructuredOutput(kind="json_schema", spec=json.dumps(PERSON))
+SCHEMA = StructuredOutput(kind="json_schema", spec=json.dumps(PERSON_SCHEMA))
 PROMPTS = [list(b"person:"), list(b"who?"), list(b"JSON please"), list(b"{")]
 ENGINE = {"max_model_len": 96, "block_size": 4, "max_num_seqs": 4}
 
@@ -57,7 +47,7 @@ def test_json_schema_output_validates_and_is_unchanged_by_preemption():
     for a, t in zip(ample["outputs"], tight["outputs"], strict=True):
         assert a.token_ids == t.token_ids
         assert a.finish_reason == "stop", a.text
-        jsonschema.validate(json.loads(a.text), PERSON)
+        jsonschema.validate(json.loads(a.text), PERSON_SCHEMA)
     assert len({o.text for o in ample["outputs"]}) > 1  # sampled, not one fixed answer
 
 
@@ -96,7 +86,7 @@ def test_every_choice_of_n_satisfies_the_schema():
         finished |= {o.request_id: o for o in engine.step() if o.finished}
     assert sorted(finished) == ["r", "r#1", "r#2"]
     for output in finished.values():
-        jsonschema.validate(json.loads(output.text), PERSON)
+        jsonschema.validate(json.loads(output.text), PERSON_SCHEMA)
     assert engine.scheduler.num_forks == 2
     assert_pools_at_baseline(engine)
 
