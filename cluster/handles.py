@@ -3,10 +3,9 @@
 A call or stream that fails because the actor is gone raises EngineDied with its name.
 
 Every awaited call is shielded: when a request's coroutine is cancelled (its client went
-away), the actor call it awaited runs to its end instead of being cancelled by Ray. A Ray
-cancellation of an actor task still queued on the caller's side can leave a gap in that
-caller's task sequence, which stalls its next calls to the actor for 30 s (Ray's reorder
-wait); the request is aborted explicitly instead (`Orchestrator`)."""
+away), the actor call it awaited runs to its end rather than being cancelled half-way, so its
+effect is known (a route that lands after its caller left gives its load back) and the
+request is aborted explicitly (`Orchestrator`)."""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_SECONDS = 600.0
 WATCH_INTERVAL_SECONDS = 0.2
+DEATH_GRACE_SECONDS = 1.0  # how long a broken collective waits to see whether a rank died
 INIT_VERSION = 1
 
 
@@ -291,10 +292,14 @@ class RankGroupExecutor(Executor):
                 return
 
     def _fail(self, reason: str) -> None:
+        # A rank that died first explains more than the collective that noticed it; its exit
+        # may be seen a moment after its peers' collective broke, so wait that moment.
+        deadline = time.monotonic() + DEATH_GRACE_SECONDS
+        while "died" not in reason and time.monotonic() < deadline and not self._dead_ranks():
+            time.sleep(0.02)
         with self._lock:
             if self.failure is None:
-                # A rank that died first explains more than the collective that noticed it.
-                dead = [r for r in range(1, self.world_size) if self._exit_reason(r) is not None]
+                dead = self._dead_ranks()
                 if dead and "died" not in reason:
                     reason = f"tensor-parallel rank {dead[0]} died: {self._why(dead[0])}"
                 self.failure = reason
@@ -303,11 +308,17 @@ class RankGroupExecutor(Executor):
         if self.driver.device.type == "cuda":
             self._device_group.pg.abort()  # NCCL: a collective on a dead peer would block
 
+    def _dead_ranks(self) -> list[int]:
+        return [r for r in range(1, self.world_size) if self._exit_reason(r) is not None]
+
     def _why(self, rank: int) -> str:
         key = f"error/{rank}"
         if self._store.check([key]):
             error = self._store.get(key).decode(errors="replace").strip().splitlines()
             return error[-1] if error else "an error"
+        deadline = time.monotonic() + DEATH_GRACE_SECONDS  # its exit status may lag its exit
+        while self._exit_reason(rank) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         return self._exit_reason(rank) or "it stopped answering"
 
     def shutdown(self) -> None:
