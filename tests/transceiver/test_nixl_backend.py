@@ -12,8 +12,10 @@ import torch
 from hybridserve.transceiver.base import Pools, RegionCopy
 from hybridserve.transceiver.channel import TransferFailed
 
-nixl_backend = pytest.importorskip("hybridserve.transceiver.nixl_backend")
-pytest.importorskip("nixl._api")
+nixl_backend = pytest.importorskip(
+    "hybridserve.transceiver.nixl_backend", reason="the nixl package is not installed here"
+)
+pytest.importorskip("nixl._api", reason="the nixl package is not installed here")
 NixlBackend, split_parts = nixl_backend.NixlBackend, nixl_backend.split_parts
 
 NUM_REGIONS = 12
