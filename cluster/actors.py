@@ -129,6 +129,7 @@ class EngineActor:
         *,
         torch_threads: int | None = None,
         transfer_timeout: float = 30.0,
+        transfer_deadline: float = 60.0,
         transfer_host: str | None = None,
         placement: dict[str, Any] | None = None,
         incarnation: int = 0,
@@ -176,6 +177,7 @@ class EngineActor:
             ),
             event_sink=sink,
             transfer_timeout=transfer_timeout,
+            transfer_deadline=transfer_deadline,
             # Prefill engines on other nodes reach this one at its own node's address.
             transfer_host=transfer_host or ray.util.get_node_ip_address(),
         )

@@ -68,7 +68,15 @@ class ServiceConfig(BaseModel):
     torch_threads: int | None = Field(
         None, ge=1, description="CPU threads per engine (default: torch's choice)"
     )
-    transfer_timeout_s: float = Field(30.0, gt=0, description="one KV/state transfer")
+    transfer_timeout_s: float = Field(
+        30.0, gt=0, description="the longest a transfer waits for its peer's next bytes"
+    )
+    transfer_deadline_s: float = Field(
+        60.0,
+        gt=0,
+        description="the longest one KV/state transfer takes from request to ack (a peer "
+        "that trickles bytes cannot hold a transfer open past it)",
+    )
     transfer_host: str | None = Field(
         None,
         description="the address decode engines' transfer endpoints bind and advertise; "

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridserve.cluster.actors import EngineActor, RouterActor
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.ray_executor import bundle_options
+from hybridserve.transceiver.auth import new_secret
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Coordinator:
         )
         self.placement_groups: dict[str, PlacementGroup] = {}
         self.resources: dict[str, dict[str, Any]] = {}
+        # The deployment's transfer secret: its engines' links admit only each other.
+        self.transfer_secret = new_secret()
         self.engines = {
             name: self._start_engine(name, self.config.engine_config(role))
             for name, role in names.items()
@@ -88,6 +91,7 @@ class Coordinator:
         kwargs: dict[str, Any] = {
             "torch_threads": self.config.torch_threads,
             "transfer_timeout": self.config.transfer_timeout_s,
+            "transfer_deadline": self.config.transfer_deadline_s,
             "transfer_host": self.config.transfer_host,
             "incarnation": incarnation,
         }
@@ -97,7 +101,7 @@ class Coordinator:
             options = self.config.single_rank_options(engine.role, cluster_gpus)
             self.resources[name] = {"ranks": 1, "actor_options": options}
             return EngineActor.options(**options).remote(
-                name, engine.model_dump(), self.router, **kwargs
+                name, self._engine_fields(engine), self.router, **kwargs
             )
         bundle = self.config.rank_bundle(engine.role, cluster_gpus)
         group = placement_group([bundle] * tp, strategy=self.config.placement_strategy)
@@ -118,8 +122,11 @@ class Coordinator:
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         kwargs["placement"] = {"group": group, "bundle": bundle}
         return EngineActor.options(**bundle_options(bundle), scheduling_strategy=strategy).remote(
-            name, engine.model_dump(), self.router, **kwargs
+            name, self._engine_fields(engine), self.router, **kwargs
         )
+
+    def _engine_fields(self, engine: EngineConfig) -> dict[str, Any]:
+        return engine.model_dump() | {"transfer_secret": self.transfer_secret}
 
     def topology(self) -> dict[str, Any]:
         """What an ingress replica needs: the router, live engines, the model's limits."""

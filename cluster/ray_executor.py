@@ -60,9 +60,16 @@ class RankActor:
         )
         layout = peer_layout(runner.model_config, config, runner.parallel.tp_rank)
         host = ray.util.get_node_ip_address()
+        secret = config.transfer_secret
+        if secret is None:
+            raise ValueError("a disaggregated engine's ranks need its transfer_secret")
         self.shards = RankShards(
-            receiver=ShardReceiver(layout, backend, host=host) if config.role == "decode" else None,
-            sender=ShardSender(layout, backend) if config.role == "prefill" else None,
+            receiver=ShardReceiver(layout, backend, secret=secret, host=host)
+            if config.role == "decode"
+            else None,
+            sender=ShardSender(layout, backend, secret=secret)
+            if config.role == "prefill"
+            else None,
         )
 
     def _rank_shards(self) -> RankShards:

@@ -88,6 +88,7 @@ class EngineWorker:
         *,
         event_sink: EventSink | None = None,
         transfer_timeout: float = 30.0,
+        transfer_deadline: float = 60.0,
         transfer_host: str = "127.0.0.1",
         rank_shards: Callable[[Engine], list[RankShardsPort]] | None = None,
     ) -> None:
@@ -103,6 +104,14 @@ class EngineWorker:
         self._flush_lock = threading.Lock()
         self.engine.subscribe(self)
         self._transfer_timeout = transfer_timeout
+        self._transfer_deadline = transfer_deadline
+        secret = engine_config.transfer_secret
+        if self.role != "colocated" and secret is None:
+            raise ValueError(
+                f"engine {name}: a {self.role} engine needs transfer_secret, the deployment's "
+                "secret its transfer links check (the service's Coordinator sets it)"
+            )
+        self._transfer_secret = secret or ""
         self.receiver: TransferReceiver | None = None
         self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
         self._backend = create_backend(
@@ -115,11 +124,22 @@ class EngineWorker:
             # Rank 0's own shard links, then the other ranks'.
             local = RankShards(
                 receiver=ShardReceiver(
-                    self.engine.layout, self._backend, host=transfer_host, timeout=transfer_timeout
+                    self.engine.layout,
+                    self._backend,
+                    secret=self._transfer_secret,
+                    host=transfer_host,
+                    timeout=transfer_timeout,
+                    deadline=transfer_deadline,
                 )
                 if self.role == "decode"
                 else None,
-                sender=ShardSender(self.engine.layout, self._backend, timeout=transfer_timeout)
+                sender=ShardSender(
+                    self.engine.layout,
+                    self._backend,
+                    secret=self._transfer_secret,
+                    timeout=transfer_timeout,
+                    deadline=transfer_deadline,
+                )
                 if self.role == "prefill"
                 else None,
             )
@@ -133,9 +153,11 @@ class EngineWorker:
                 self.engine,
                 self.engine.layout,
                 self._backend,
+                secret=self._transfer_secret,
                 lock=self.lock,
                 host=transfer_host,
                 timeout=transfer_timeout,
+                deadline=transfer_deadline,
                 shards=self.shards,
             )
         self.transfer_stats = {"bytes": 0}
@@ -523,8 +545,10 @@ class EngineWorker:
                 self.engine.layout,
                 self._backend,
                 address,
+                secret=self._transfer_secret,
                 lock=self.lock,
                 timeout=self._transfer_timeout,
+                deadline=self._transfer_deadline,
                 shards=self.shards,
             )
             executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")

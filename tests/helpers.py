@@ -13,6 +13,8 @@ from hybridserve.workers.request import Request
 from hybridserve.workers.sampling_params import SamplingParams
 
 VOCAB = 128
+# A deployment's transfer secret, as the Coordinator would make it (transceiver/auth.py).
+TRANSFER_SECRET = "5e" * 32
 
 
 def _nemotron_h(**overrides: Any) -> Any:

@@ -3,8 +3,11 @@
     frame := 4-byte big-endian length | msgpack message (protocol.encode)
     bytes are sent as they are, right after the message that announces their length
 
-Every receive has a deadline; a closed peer, a timeout or a malformed frame raises
-`TransferFailed` with what happened, never a half-read message.
+Every read and write has a timeout (inactivity) and, inside `deadline()`, a total deadline as
+well, so a peer that trickles bytes cannot stretch a transfer without end; every receive takes
+the largest message it accepts at that point of the exchange, checked before anything of that
+size is allocated. A closed peer, a timeout or a malformed frame raises `TransferFailed` with
+what happened, never a half-read message.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from hybridserve.transceiver.protocol import MAX_MESSAGE_BYTES, Message, decode, encode
 
@@ -33,6 +37,8 @@ class Channel:
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
         self.timeout = timeout
+        self._deadline: float | None = None  # monotonic seconds, inside `deadline()`
+        self._deadline_seconds = 0.0
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -49,20 +55,50 @@ class Channel:
         payload = encode(message)
         self.send_bytes(_LENGTH.pack(len(payload)) + payload)
 
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Every read and write inside ends within `seconds` from now, all of them together."""
+        self._deadline, self._deadline_seconds = time.monotonic() + seconds, seconds
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def time_left(self, timeout: float | None = None) -> float:
+        """How long the next read or write may wait: `timeout` (the channel's by default), cut
+        to what is left of the deadline; raises TransferFailed once the deadline has passed."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._deadline is None:
+            return timeout
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TransferFailed(
+                f"the transfer did not finish within its {self._deadline_seconds} s deadline"
+            )
+        return min(timeout, left)
+
     def send_bytes(self, data: bytes | memoryview) -> None:
         try:
+            # NOTE: since Python 3.5 a socket timeout bounds the whole sendall, not each send.
+            self.sock.settimeout(self.time_left())
             self.sock.sendall(data)
+        except TimeoutError as exc:
+            raise TransferFailed(self._timed_out(self.timeout)) from exc
         except OSError as exc:
             raise TransferFailed(f"send to transfer peer failed: {exc}") from exc
 
-    def receive(self, timeout: float | None = None) -> Message:
+    def receive(
+        self, timeout: float | None = None, *, max_bytes: int = MAX_MESSAGE_BYTES
+    ) -> Message:
+        """The next message; `max_bytes`: the largest this point of the exchange accepts (a
+        bigger announced length fails the link before anything is allocated for it)."""
         header = bytearray(_LENGTH.size)
         self.receive_into(memoryview(header), timeout)
         (length,) = _LENGTH.unpack(header)
-        if length > MAX_MESSAGE_BYTES:
+        if length > max_bytes:
             raise TransferFailed(
-                f"peer announced a {length}-byte message (limit "
-                f"{MAX_MESSAGE_BYTES}): not our protocol"
+                f"peer announced a {length}-byte message where at most {max_bytes} bytes are "
+                "accepted: not our protocol, or not at this point of a transfer"
             )
         payload = bytearray(length)
         self.receive_into(memoryview(payload), timeout)
@@ -73,22 +109,29 @@ class Channel:
 
     def receive_into(self, view: memoryview, timeout: float | None = None) -> None:
         """Fill `view` completely from the socket (zero-copy into the destination)."""
-        self.sock.settimeout(self.timeout if timeout is None else timeout)
         received = 0
         try:
             while received < len(view):
+                self.sock.settimeout(self.time_left(timeout))
                 count = self.sock.recv_into(view[received:])
                 if count == 0:
                     raise TransferFailed("transfer peer closed the connection")
                 received += count
         except TimeoutError as exc:
             raise TransferFailed(
-                f"transfer peer sent nothing for {self.sock.gettimeout()} s"
+                self._timed_out(self.timeout if timeout is None else timeout)
             ) from exc
         except OSError as exc:
             raise TransferFailed(f"receive from transfer peer failed: {exc}") from exc
 
-    def next_message(self, stop: threading.Event, poll: float = 0.5) -> Message | None:
+    def _timed_out(self, timeout: float) -> str:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return f"the transfer did not finish within its {self._deadline_seconds} s deadline"
+        return f"transfer peer sent nothing for {timeout} s"
+
+    def next_message(
+        self, stop: threading.Event, poll: float = 0.5, *, max_bytes: int = MAX_MESSAGE_BYTES
+    ) -> Message | None:
         """The next message on a link that may stay idle between transfers (then read within
         the channel's timeout); None once `stop` is set."""
         while not stop.is_set():
@@ -97,7 +140,7 @@ class Channel:
             except (OSError, ValueError) as exc:  # closed under us
                 raise TransferFailed(f"transfer link closed: {exc}") from exc
             if readable:
-                return self.receive()
+                return self.receive(max_bytes=max_bytes)
         return None
 
     def close(self) -> None:

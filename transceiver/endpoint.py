@@ -3,14 +3,22 @@ decode engine. Each drives its engine through a small port (duck-typed; the tran
 not import the engine) under the caller's lock, since the engine's own loop steps in parallel.
 
     sender (prefill)                             receiver (decode)
-    connect: Hello ------------------------->    check layout / hash, add peer
-             <-------------------------- Hello   (or TransferError: layout_mismatch)
+             <---------------------- Challenge   (auth.py: the peer proves the deployment's
+    connect: Hello + proof ----------------->     secret first, then check layout / hash,
+             <------------------ Hello + proof    add peer; or TransferError: unauthenticated
+                                                  | layout_mismatch)
     send(handoff): TransferRequest -------->    engine.prepare_receive
              <-- ReceivePlan | TransferError     (rejections hold nothing)
     backend.send (regions)  ------ bytes ---->   backend.receive into the plan's destinations
     TransferDone ---------------------------->   engine.complete_receive
              <------------------- TransferAck    (any failure: engine.fail_receive)
     engine.release_handoff("acked")
+
+The handoff's pages are pinned from the moment the sender reads where they are until the send
+ends: a lease that expires or an abort that arrives meanwhile only marks the handoff, and the
+pages are freed when the send is over (a page freed mid-send could be handed to another request
+and overwritten while its bytes are still going out). A transfer has a total deadline on both
+sides besides each read's inactivity timeout, so the pin is bounded too.
 
 A failure on the link closes it (its state is unknown); the sender reconnects for the next
 request. The prefill side frees a failed handoff at once when its backend guarantees no read
@@ -27,14 +35,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hybridserve.transceiver.auth import PeerAuth, Unauthenticated
 from hybridserve.transceiver.base import Pools, RegionCopy, TransferBackend, region_copies
 from hybridserve.transceiver.channel import Channel, Listener, TransferFailed
 from hybridserve.transceiver.layout import LayoutMismatch, PeerLayout, check_compatible
 from hybridserve.transceiver.protocol import (
+    CONTROL_MAX_BYTES,
     Hello,
     ReceivePlan,
     TransferAbort,
@@ -50,9 +60,15 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillPort(Protocol):
-    def handoff_source(self, request_id: str) -> tuple[list[int], int] | None: ...
+    def handoff_source(self, request_id: str) -> tuple[list[int], int] | None:
+        """Where the handoff's data is, pinned until `release_handoff` / `unpin_handoff`."""
+        ...
 
     def release_handoff(self, request_id: str, reason: str) -> bool: ...
+
+    def unpin_handoff(self, request_id: str) -> None:
+        """The send is over but its pages wait for the lease (a write may still read them)."""
+        ...
 
 
 class DecodePort(Protocol):
@@ -91,12 +107,15 @@ def rank0_pieces(sender: PeerLayout, receiver: PeerLayout) -> dict[str, tuple[Pi
 
 
 def _handshake_reply(
-    channel: Channel, layout: PeerLayout, backend: TransferBackend, shards: EngineShards | None
+    channel: Channel,
+    auth: PeerAuth,
+    layout: PeerLayout,
+    backend: TransferBackend,
+    shards: EngineShards | None,
 ) -> tuple[str, PeerLayout]:
     """Receiver half of the handshake; returns the peer's backend handle and layout."""
-    hello = channel.receive()
-    if not isinstance(hello, Hello):
-        raise TransferFailed(f"expected a Hello from the transfer peer, got {hello.type}")
+    accepted = auth.accept(channel)
+    hello = accepted.hello
     try:
         if hello.backend != backend.name:
             raise LayoutMismatch(
@@ -114,12 +133,13 @@ def _handshake_reply(
         raise
     peer = backend.add_peer(hello.backend_info)
     addresses = [list(a) for a in shards.addresses()] if shards is not None else []
-    channel.send(Hello(layout, backend.name, backend.local_info(), addresses))
+    auth.answer(channel, accepted, Hello(layout, backend.name, backend.local_info(), addresses))
     return peer, hello.layout
 
 
 class TransferReceiver:
-    """Accepts prefill peers on a TCP port and lands their transfers in a decode engine."""
+    """Accepts prefill peers on a TCP port and lands their transfers in a decode engine.
+    `timeout`: the longest any read waits; `deadline`: the longest one transfer takes."""
 
     def __init__(
         self,
@@ -127,18 +147,25 @@ class TransferReceiver:
         layout: PeerLayout,
         backend: TransferBackend,
         *,
+        secret: str | bytes,
         lock: threading.Lock,
         host: str,
         port: int = 0,
         timeout: float = 30.0,
+        deadline: float = 60.0,
         shards: EngineShards | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
         self.backend = backend
+        self.auth = PeerAuth(secret)
         self.lock = lock
         self.timeout = timeout
+        self.deadline = deadline
         self.shards = shards
+        # Links closed in their handshake, by reason: unauthenticated, layout_mismatch,
+        # malformed (spoke something that is not our protocol, or nothing in time).
+        self.refused_links: dict[str, int] = {}
         self._listener = Listener(
             host, self._serve, timeout=timeout, name="transfer-receiver", port=port
         )
@@ -147,7 +174,21 @@ class TransferReceiver:
     def _serve(self, channel: Channel) -> None:
         peer = ""
         try:
-            peer, sender = _handshake_reply(channel, self.layout, self.backend, self.shards)
+            try:
+                peer, sender = _handshake_reply(
+                    channel, self.auth, self.layout, self.backend, self.shards
+                )
+            except (TransferFailed, LayoutMismatch) as exc:
+                reason = (
+                    "unauthenticated"
+                    if isinstance(exc, Unauthenticated)
+                    else "layout_mismatch"
+                    if isinstance(exc, LayoutMismatch)
+                    else "malformed"
+                )
+                self.refused_links[reason] = self.refused_links.get(reason, 0) + 1
+                logger.warning("transfer link refused (%s): %s", reason, exc)
+                return
             while (message := channel.next_message(self._listener.stopped)) is not None:
                 if isinstance(message, TransferRequest):
                     self._receive(channel, peer, sender, message)
@@ -195,14 +236,19 @@ class TransferReceiver:
             )
         ]
         try:
-            self.backend.receive(channel, peer, request_id, copies, self.timeout)
-            done = channel.receive(self.timeout)
-            if isinstance(done, TransferAbort):
-                raise TransferFailed(f"sender aborted: {done.reason}")
-            if not isinstance(done, TransferDone) or done.request_id != request_id:
-                raise TransferFailed(f"request {request_id}: expected TransferDone, got {done!r}")
-            if shards is not None:
-                shards.wait(request_id, self.timeout)
+            with channel.deadline(self.deadline):
+                self.backend.receive(
+                    channel, peer, request_id, copies, channel.time_left(self.timeout)
+                )
+                done = channel.receive(self.timeout, max_bytes=CONTROL_MAX_BYTES)
+                if isinstance(done, TransferAbort):
+                    raise TransferFailed(f"sender aborted: {done.reason}")
+                if not isinstance(done, TransferDone) or done.request_id != request_id:
+                    raise TransferFailed(
+                        f"request {request_id}: expected TransferDone, got {done!r}"
+                    )
+                if shards is not None:
+                    shards.wait(request_id, channel.time_left(self.timeout))
         except TransferFailed as exc:
             if shards is not None:
                 shards.cancel(request_id)
@@ -228,8 +274,18 @@ class TransferReceiver:
         self._listener.close()
 
 
+@dataclass
+class _Send:
+    """How far one send got: what its failure must still release or wait for."""
+
+    pinned: bool = False  # the handoff's pages are pinned (handoff_source answered)
+    data_started: bool = False
+    shards: Future[int] | None = None  # the other ranks' sends, while they run
+
+
 class TransferSender:
-    """Sends a prefill engine's handoffs to one decode peer."""
+    """Sends a prefill engine's handoffs to one decode peer (`timeout`, `deadline`: as the
+    receiver's)."""
 
     def __init__(
         self,
@@ -238,16 +294,20 @@ class TransferSender:
         backend: TransferBackend,
         peer_address: tuple[str, int],
         *,
+        secret: str | bytes,
         lock: threading.Lock,
         timeout: float = 30.0,
+        deadline: float = 60.0,
         shards: EngineShards | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
         self.backend = backend
         self.peer_address = peer_address
+        self.auth = PeerAuth(secret)
         self.lock = lock
         self.timeout = timeout
+        self.deadline = deadline
         self.shards = shards
         self._channel: Channel | None = None
         self._peer = ""
@@ -258,12 +318,9 @@ class TransferSender:
         """Open the link and check the peer's layout (LayoutMismatch if incompatible)."""
         channel = Channel.connect(self.peer_address, self.timeout)
         try:
-            channel.send(Hello(self.layout, self.backend.name, self.backend.local_info()))
-            reply = channel.receive()
-            if isinstance(reply, TransferError):
-                raise LayoutMismatch(reply.message)
-            if not isinstance(reply, Hello):
-                raise TransferFailed(f"expected a Hello from the decode peer, got {reply.type}")
+            reply = self.auth.connect(
+                channel, Hello(self.layout, self.backend.name, self.backend.local_info())
+            )
             check_compatible(self.layout, reply.layout)
             if needs_shard_links(self.layout, reply.layout) and (
                 self.shards is None or len(reply.shard_addresses) != reply.layout.tp_size
@@ -289,61 +346,10 @@ class TransferSender:
                 return self._release(request_id, "failed", str(exc), now=True)
         channel = self._channel
         assert channel is not None
-        data_started = False
+        send = _Send()
         try:
-            channel.send(message)
-            reply = channel.receive(self.timeout)
-            if isinstance(reply, TransferError):
-                return self._release(
-                    request_id, "rejected", f"{reply.code}: {reply.message}", now=True
-                )
-            if not isinstance(reply, ReceivePlan) or reply.request_id != request_id:
-                raise TransferFailed(f"request {request_id}: expected a ReceivePlan, got {reply!r}")
-            with self.lock:
-                source = self.engine.handoff_source(request_id)
-            if source is None:
-                raise TransferFailed(
-                    f"request {request_id}: the handoff was released (lease "
-                    "expired or aborted) before its data was sent"
-                )
-            src_blocks, src_slot = source
-            receiver = self._receiver
-            assert receiver is not None
-            copies = region_copies(
-                self.backend.pools,
-                src_blocks,
-                src_slot,
-                reply,
-                rank0_pieces(self.layout, receiver.layout),
-            )
-            data_started = True
-            shard_sends = None
-            if needs_shard_links(self.layout, receiver.layout):
-                assert self.shards is not None  # connect() refused the peer otherwise
-                addresses = [(str(a[0]), int(a[1])) for a in receiver.shard_addresses]
-                # Every other rank pair moves meanwhile, each from its own rank.
-                shard_sends = self._shard_sends.submit(
-                    self.shards.send,
-                    request_id,
-                    src_blocks,
-                    src_slot,
-                    reply,
-                    receiver.layout,
-                    addresses,
-                )
-            self.backend.send(channel, self._peer, request_id, copies, self.timeout)
-            nbytes = sum(
-                n
-                for c in copies
-                for _, _, n in c.byte_ranges(self.backend.pools.region(c.kind, c.src).nbytes)
-            )
-            if shard_sends is not None:
-                nbytes += shard_sends.result()  # raises what a shard send raised
-            channel.send(TransferDone(request_id))
-            ack = channel.receive(self.timeout)
-            if not isinstance(ack, TransferAck) or ack.request_id != request_id:
-                raise TransferFailed(f"request {request_id}: expected TransferAck, got {ack!r}")
-            sent = sum(1 for c in copies if c.kind == "kv")
+            with channel.deadline(self.deadline):
+                outcome = self._exchange(channel, request_id, message, send)
         except Exception as exc:
             # NOTE: whatever went wrong (a TransferFailed, or a bug that raised anything else),
             # the request is resolved: the peer is told, the link starts afresh, the pages go.
@@ -352,9 +358,72 @@ class TransferSender:
             with contextlib.suppress(TransferFailed):
                 channel.send(TransferAbort(request_id, str(exc) or type(exc).__name__))
             self.close_link()
-            safe = not data_started or self.backend.name == "tcp"
+            if send.shards is not None:  # the other ranks still read the pages until they end
+                send.shards.exception()
+            safe = not send.data_started or self.backend.name == "tcp"
+            if send.pinned and not safe:
+                with self.lock:
+                    self.engine.unpin_handoff(request_id)
             return self._release(request_id, "failed", str(exc) or type(exc).__name__, now=safe)
-        self._release(request_id, "acked", "", now=True)
+        status = "acked" if outcome.ok else outcome.status
+        self._release(request_id, status, outcome.detail, now=True)
+        return outcome
+
+    def _exchange(
+        self, channel: Channel, request_id: str, message: TransferRequest, send: _Send
+    ) -> SendOutcome:
+        """Request, plan, data, done, ack: the outcome (acked or rejected), or raises."""
+        channel.send(message)
+        reply = channel.receive(self.timeout, max_bytes=CONTROL_MAX_BYTES)
+        if isinstance(reply, TransferError):
+            return SendOutcome(request_id, "rejected", f"{reply.code}: {reply.message}")
+        if not isinstance(reply, ReceivePlan) or reply.request_id != request_id:
+            raise TransferFailed(f"request {request_id}: expected a ReceivePlan, got {reply!r}")
+        with self.lock:
+            source = self.engine.handoff_source(request_id)
+        if source is None:
+            raise TransferFailed(
+                f"request {request_id}: the handoff was released (lease "
+                "expired or aborted) before its data was sent"
+            )
+        send.pinned = True
+        src_blocks, src_slot = source
+        receiver = self._receiver
+        assert receiver is not None
+        copies = region_copies(
+            self.backend.pools,
+            src_blocks,
+            src_slot,
+            reply,
+            rank0_pieces(self.layout, receiver.layout),
+        )
+        send.data_started = True
+        if needs_shard_links(self.layout, receiver.layout):
+            assert self.shards is not None  # connect() refused the peer otherwise
+            addresses = [(str(a[0]), int(a[1])) for a in receiver.shard_addresses]
+            # Every other rank pair moves meanwhile, each from its own rank.
+            send.shards = self._shard_sends.submit(
+                self.shards.send,
+                request_id,
+                src_blocks,
+                src_slot,
+                reply,
+                receiver.layout,
+                addresses,
+            )
+        self.backend.send(channel, self._peer, request_id, copies, channel.time_left(self.timeout))
+        nbytes = sum(
+            n
+            for c in copies
+            for _, _, n in c.byte_ranges(self.backend.pools.region(c.kind, c.src).nbytes)
+        )
+        if send.shards is not None:
+            nbytes += send.shards.result()  # raises what a shard send raised
+        channel.send(TransferDone(request_id))
+        ack = channel.receive(self.timeout, max_bytes=CONTROL_MAX_BYTES)
+        if not isinstance(ack, TransferAck) or ack.request_id != request_id:
+            raise TransferFailed(f"request {request_id}: expected TransferAck, got {ack!r}")
+        sent = sum(1 for c in copies if c.kind == "kv")
         return SendOutcome(request_id, "acked", "", sent, reply.held_blocks, nbytes)
 
     def _release(self, request_id: str, status: str, detail: str, *, now: bool) -> SendOutcome:

@@ -1,8 +1,10 @@
 """The transceiver's wire messages: versioned, msgpack-serialisable, never pickle.
 
     prefill (sender, rank 0)                          decode (receiver, rank 0)
-    Hello(layout, backend info)        <---->         Hello(layout, backend info, the shard
-                                                            addresses of every decode rank)
+                                              <---    Challenge(nonce)        (auth.py)
+    Hello(layout, backend info, proof) ---->          proof checked before anything else
+                                              <---    Hello(layout, backend info, proof, the
+                                                            shard addresses of every decode rank)
     TransferRequest(request, state_pos, ...)  --->    validate, allocate; arm the other ranks
                                               <---    ReceivePlan(held blocks, dst blocks, slot)
     KV blocks [held, n) + live Mamba slot     --->    (data plane: TCP bytes or NIXL writes)
@@ -27,13 +29,28 @@ from hybridserve.transceiver.layout import PeerLayout
 # 2: layouts carry the model's KV head and Mamba group totals (replicated shards).
 # 3: Hello carries the decode ranks' shard addresses; ShardStart opens a rank pair's data.
 # 4: SamplingState carries the n > 1 choices' seeds and first tokens, and first-token logprobs.
-PROTOCOL_VERSION = 4
-# Largest control message accepted (a TransferRequest carries the prompt): 64 MiB.
+# 5: links open with a Challenge; Hello carries a nonce and a proof of the deployment's secret.
+PROTOCOL_VERSION = 5
+# The largest message accepted from an authenticated peer (a TransferRequest carries the
+# prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
+# The largest at any other point: the handshake (from a peer not yet authenticated, so the
+# memory an unknown peer can make a listener allocate stays small) and the messages around a
+# transfer's data (a plan, a frame header, done, ack, abort). A Hello carries NIXL's agent
+# metadata, a few KiB.
+CONTROL_MAX_BYTES = 1 << 20
 
 
 class ProtocolError(ValueError):
     """A peer sent something this side cannot accept; the message says what."""
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The first message on every accepted link: what the connecting peer must sign."""
+
+    nonce: bytes
+    type: ClassVar[str] = "challenge"
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,9 @@ class Hello:
     # A decode engine: where each of its ranks accepts shard links (rank order); empty from a
     # prefill engine, and on a shard link itself.
     shard_addresses: list[list[Any]] = field(default_factory=list)
+    # The sender's nonce and its proof that it holds the deployment's secret (auth.py).
+    nonce: bytes = b""
+    proof: bytes = b""
     type: ClassVar[str] = "hello"
 
 
@@ -139,7 +159,8 @@ class TransferError:
 
 
 Message = (
-    Hello
+    Challenge
+    | Hello
     | ShardStart
     | TransferRequest
     | ReceivePlan
@@ -152,6 +173,7 @@ Message = (
 _TYPES: dict[str, type[Any]] = {
     cls.type: cls
     for cls in (
+        Challenge,
         Hello,
         ShardStart,
         TransferRequest,
@@ -212,8 +234,10 @@ def decode(payload: bytes) -> Message:
 
 
 __all__ = [
+    "CONTROL_MAX_BYTES",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
+    "Challenge",
     "DataFrame",
     "Hello",
     "Message",

@@ -7,7 +7,9 @@ shard link of its own, opened by rank i's `ShardSender` to rank j's `ShardReceiv
 
     prefill rank i                               decode rank j (armed by its rank 0 with the
                                                    plan before the plan is sent back)
-    Hello(layout_i, backend info)  <------->     Hello(layout_j, backend info)
+                                   <--------     Challenge
+    Hello(layout_i, backend info)  -------->     Hello(layout_j, backend info)  (auth.py)
+                                   <--------
     ShardStart(request, i)         -------->     the copies it expects from rank i
     the pieces of i's shards j holds ------->    landed in its own pools (TCP bytes / NIXL)
 
@@ -26,10 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from hybridserve.transceiver.auth import PeerAuth
 from hybridserve.transceiver.base import RegionCopy, TransferBackend, region_copies
 from hybridserve.transceiver.channel import Channel, Listener, TransferFailed
 from hybridserve.transceiver.layout import LayoutMismatch, PeerLayout, check_compatible
-from hybridserve.transceiver.protocol import Hello, ReceivePlan, ShardStart
+from hybridserve.transceiver.protocol import (
+    CONTROL_MAX_BYTES,
+    Hello,
+    ReceivePlan,
+    ShardStart,
+    TransferError,
+)
 from hybridserve.transceiver.tp_mapping import pair_pieces
 
 logger = logging.getLogger(__name__)
@@ -55,16 +64,11 @@ def shard_copies(
     return region_copies(backend.pools, src_blocks, src_slot, plan, pair_pieces(sender, receiver))
 
 
-def _shard_handshake(channel: Channel, layout: PeerLayout, backend: TransferBackend) -> Hello:
-    """Both ends: send ours, check theirs (same model, compatible TP, same backend)."""
-    channel.send(Hello(layout, backend.name, backend.local_info()))
-    hello = channel.receive()
-    if not isinstance(hello, Hello):
-        raise TransferFailed(f"expected a Hello on the shard link, got {hello.type}")
+def _check_peer(layout: PeerLayout, backend: TransferBackend, hello: Hello) -> None:
+    """Same model, compatible TP, same backend; LayoutMismatch otherwise."""
     if hello.backend != backend.name:
         raise LayoutMismatch(f"shard peer uses backend {hello.backend!r}, ours {backend.name!r}")
     check_compatible(layout, hello.layout)
-    return hello
 
 
 @dataclass
@@ -83,11 +87,20 @@ class ShardReceiver:
     """A decode rank's shard links: lands the pieces its rank 0 armed it for."""
 
     def __init__(
-        self, layout: PeerLayout, backend: TransferBackend, *, host: str, timeout: float = 30.0
+        self,
+        layout: PeerLayout,
+        backend: TransferBackend,
+        *,
+        secret: str | bytes,
+        host: str,
+        timeout: float = 30.0,
+        deadline: float = 60.0,
     ) -> None:
         self.layout = layout
         self.backend = backend
+        self.auth = PeerAuth(secret)
         self.timeout = timeout
+        self.deadline = deadline
         self._expected: dict[str, _Expected] = {}
         self._lock = threading.Lock()
         self._listener = Listener(host, self._serve, timeout=timeout, name="shard-receiver")
@@ -141,10 +154,19 @@ class ShardReceiver:
     def _serve(self, channel: Channel) -> None:
         peer = ""
         try:
-            hello = _shard_handshake(channel, self.layout, self.backend)
+            accepted = self.auth.accept(channel)
+            hello = accepted.hello
+            try:
+                _check_peer(self.layout, self.backend, hello)
+            except LayoutMismatch as exc:
+                channel.send(TransferError("", "layout_mismatch", str(exc)))
+                raise
             peer = self.backend.add_peer(hello.backend_info)
+            ours = Hello(self.layout, self.backend.name, self.backend.local_info())
+            self.auth.answer(channel, accepted, ours)
             source = hello.layout.tp_rank
-            while (start := channel.next_message(self._listener.stopped)) is not None:
+            stopped = self._listener.stopped
+            while (start := channel.next_message(stopped, max_bytes=CONTROL_MAX_BYTES)) is not None:
                 if not isinstance(start, ShardStart) or start.src_rank != source:
                     raise TransferFailed(f"expected ShardStart from rank {source}, got {start!r}")
                 self._land(channel, peer, start)
@@ -166,7 +188,10 @@ class ShardReceiver:
                 f"from rank {start.src_rank}"
             )
         try:
-            self.backend.receive(channel, peer, start.request_id, copies, self.timeout)
+            with channel.deadline(self.deadline):
+                self.backend.receive(
+                    channel, peer, start.request_id, copies, channel.time_left(self.timeout)
+                )
         except TransferFailed as exc:
             entry.error = f"rank {self.layout.tp_rank} from rank {start.src_rank}: {exc}"
             entry.settle()
@@ -188,10 +213,20 @@ class _Link:
 class ShardSender:
     """A prefill rank's shard links, one per decode rank it has sent to."""
 
-    def __init__(self, layout: PeerLayout, backend: TransferBackend, *, timeout: float = 30.0):
+    def __init__(
+        self,
+        layout: PeerLayout,
+        backend: TransferBackend,
+        *,
+        secret: str | bytes,
+        timeout: float = 30.0,
+        deadline: float = 60.0,
+    ):
         self.layout = layout
         self.backend = backend
+        self.auth = PeerAuth(secret)
         self.timeout = timeout
+        self.deadline = deadline
         self._links: dict[Address, _Link] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="shard-send")
@@ -229,9 +264,13 @@ class ShardSender:
     def _send(self, request_id: str, copies: list[RegionCopy], address: Address) -> int:
         link = self._link(address)
         with link.lock:
+            channel = link.channel
             try:
-                link.channel.send(ShardStart(request_id, self.layout.tp_rank))
-                self.backend.send(link.channel, link.peer, request_id, copies, self.timeout)
+                with channel.deadline(self.deadline):
+                    channel.send(ShardStart(request_id, self.layout.tp_rank))
+                    self.backend.send(
+                        channel, link.peer, request_id, copies, channel.time_left(self.timeout)
+                    )
             except TransferFailed:
                 self._drop(address)  # its state is unknown: the next request reconnects
                 raise
@@ -247,7 +286,9 @@ class ShardSender:
                 return link
             channel = Channel.connect(address, self.timeout)
             try:
-                hello = _shard_handshake(channel, self.layout, self.backend)
+                ours = Hello(self.layout, self.backend.name, self.backend.local_info())
+                hello = self.auth.connect(channel, ours)
+                _check_peer(self.layout, self.backend, hello)
                 peer = self.backend.add_peer(hello.backend_info)
             except (TransferFailed, LayoutMismatch) as exc:
                 channel.close()

@@ -11,7 +11,7 @@ import torch
 
 from hybridserve.transceiver.base import RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import Channel, TransferFailed
-from hybridserve.transceiver.protocol import DataFrame, TransferAbort
+from hybridserve.transceiver.protocol import CONTROL_MAX_BYTES, DataFrame, TransferAbort
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -38,7 +38,8 @@ class TcpBackend(TransferBackend):
         self, channel: Channel, peer: str, request_id: str, copies: list[RegionCopy], timeout: float
     ) -> None:
         for copy in copies:
-            frame = channel.receive(timeout)
+            # The header is checked against the plan before a byte of data is read.
+            frame = channel.receive(timeout, max_bytes=CONTROL_MAX_BYTES)
             if isinstance(frame, TransferAbort):
                 raise TransferFailed(f"request {request_id}: sender aborted: {frame.reason}")
             region = self.pools.region(copy.kind, copy.dst)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -108,11 +108,32 @@ class EngineConfig(BaseModel):
         description="prefill frees a handed-off request's blocks after this long "
         "without an ack or abort",
     )
+    transfer_secret: str | None = Field(
+        None,
+        repr=False,
+        description="hex; a disaggregated engine's transfer and shard links admit only peers "
+        "that prove they hold it (the service's Coordinator makes one per deployment)",
+    )
     transfer_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute",
         description="after a failed transfer, decode recomputes the prompt or "
         "ends the request with an error",
     )
+
+    @field_validator("transfer_secret")
+    @classmethod
+    def _check_secret(cls, secret: str | None) -> str | None:
+        if secret is None:
+            return None
+        try:
+            key = bytes.fromhex(secret)
+        except ValueError:
+            raise ValueError(
+                "transfer_secret must be hex (secrets.token_hex(32) makes one)"
+            ) from None
+        if len(key) < 16:
+            raise ValueError(f"transfer_secret has {len(key)} bytes; at least 16 are needed")
+        return secret
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

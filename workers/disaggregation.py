@@ -12,9 +12,11 @@
                                                  the destination pages stay quarantined until
                                                  no write can still be filling them
 
-Ownership: prefill pages belong to the handoff until one of its three release events;
-decode pages belong to the receiving request, then to a quarantine, never straight to the pool
-while a writer may be active.
+Ownership: prefill pages belong to the handoff until one of its three release events; while a
+send reads them they are pinned, and a release that comes meanwhile (lease, abort) waits for
+the send to end (`unpin`): freed pages may be reallocated and overwritten at once. Decode pages
+belong to the receiving request, then to a quarantine, never straight to the pool while a
+writer may be active.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Handoff:
     request: Request
     message: TransferRequest
     deadline: float  # monotonic seconds; the lease
+    pinned: bool = False  # a send is reading its pages
+    released: str | None = None  # released while pinned: why (freed once unpinned)
 
 
 class PrefillHandoffs:
@@ -118,16 +122,36 @@ class PrefillHandoffs:
         new, self._new = self._new, []
         return new
 
-    def source(self, request_id: str) -> tuple[list[int], int]:
-        """The blocks and live slot a pending handoff's data is read from."""
+    def source(self, request_id: str) -> tuple[list[int], int] | None:
+        """The blocks and live slot a pending handoff's data is read from, pinned until
+        `unpin` (or a release by the sender); None once released."""
+        handoff = self.pending.get(request_id)
+        if handoff is None or handoff.released is not None:
+            return None
+        handoff.pinned = True
         return self.cache.block_table(request_id), self.cache.live_slot(request_id)
 
-    def release(self, request_id: str, reason: str) -> bool:
-        """Ack, abort or expiry: free the handoff's pages. False if it was already released
-        (release is idempotent: a late ack after an abort changes nothing)."""
-        handoff = self.pending.pop(request_id, None)
+    def unpin(self, request_id: str) -> None:
+        """The send is over: a release that came meanwhile happens now."""
+        handoff = self.pending.get(request_id)
         if handoff is None:
+            return
+        handoff.pinned = False
+        if handoff.released is not None:
+            self.release(request_id, handoff.released)
+
+    def release(self, request_id: str, reason: str) -> bool:
+        """Ack, abort or expiry: free the handoff's pages (once no send reads them). False if
+        it was already released (release is idempotent: a late ack after an abort changes
+        nothing)."""
+        handoff = self.pending.get(request_id)
+        if handoff is None or (handoff.pinned and handoff.released is not None):
             return False
+        if handoff.pinned:
+            handoff.released = reason
+            logger.info("request %s: handoff released (%s) once its send ends", request_id, reason)
+            return True
+        del self.pending[request_id]
         self.scheduler.release_handoff(handoff.request)
         logger.info("request %s: handoff released (%s)", request_id, reason)
         return True
@@ -135,7 +159,9 @@ class PrefillHandoffs:
     def expire(self, now: float | None = None) -> list[str]:
         """Release every handoff whose lease has passed; called on a timer, not by scheduling."""
         now = time.monotonic() if now is None else now
-        expired = [rid for rid, h in self.pending.items() if h.deadline <= now]
+        expired = [
+            rid for rid, h in self.pending.items() if h.deadline <= now and h.released is None
+        ]
         for request_id in expired:
             self.release(request_id, "lease expired")
         return expired

@@ -181,8 +181,8 @@ class Engine:
         params = params or SamplingParams()
         if request_id is None:
             # NOTE: a caller may already use an id of our "req-N" form for a live request.
-            request_id = next(i for i in (f"req-{n}" for n in self._ids) if i not in self._requests)
-        if request_id in self._requests:
+            request_id = next(i for i in (f"req-{n}" for n in self._ids) if not self._in_use(i))
+        if self._in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if CHOICE_SEPARATOR in request_id:
             raise ValueError(
@@ -290,6 +290,13 @@ class Engine:
             self.abort(choice.request_id)
         self._publish_cache_events()
         return request.to_output()
+
+    def _in_use(self, request_id: str) -> bool:
+        """Live here, or an aborted handoff whose pages a send still reads (its id is taken
+        until they are freed)."""
+        return request_id in self._requests or (
+            self.handoffs is not None and request_id in self.handoffs.pending
+        )
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` is live here (queued, running, handed off or receiving)."""
@@ -409,18 +416,28 @@ class Engine:
         return self.handoffs.take_new()
 
     def handoff_source(self, request_id: str) -> tuple[list[int], int] | None:
-        """The KV blocks and live slot a pending handoff reads from; None once released."""
+        """The KV blocks and live slot a pending handoff reads from, pinned (a lease expiry
+        or abort frees them only after `release_handoff` / `unpin_handoff`); None once
+        released."""
         assert self.handoffs is not None, "handoff_source needs role=prefill"
-        if request_id not in self.handoffs.pending:
-            return None
         return self.handoffs.source(request_id)
 
     def release_handoff(self, request_id: str, reason: str) -> bool:
+        """The sender is done with a handoff (acked, rejected, failed): its pages go now."""
         assert self.handoffs is not None, "release_handoff needs role=prefill"
+        # A release that came during the send (lease, abort) happens here, and that one has
+        # taken the request out of the engine already.
+        self.handoffs.unpin(request_id)
         released = self.handoffs.release(request_id, reason)
         if released:
             self._requests.pop(request_id, None)
         return released
+
+    def unpin_handoff(self, request_id: str) -> None:
+        """The send is over, but its pages wait for the lease (a one-sided write may still
+        read them), or go now if the lease or an abort already released the handoff."""
+        assert self.handoffs is not None, "unpin_handoff needs role=prefill"
+        self.handoffs.unpin(request_id)
 
     def prepare_receive(self, message: TransferRequest) -> ReceivePlan:
         """Decode role: validate a transfer and reserve its destination (TransferRejected if

@@ -14,6 +14,7 @@ from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
+from tests.helpers import TRANSFER_SECRET
 
 ENGINE = {"model": "tiny", "max_num_seqs": 4, "num_kv_blocks": 96, "max_model_len": 512}
 PROMPT = [(5 * i + 1) % 250 for i in range(70)]
@@ -27,7 +28,10 @@ def request(prompt: list[int] = PROMPT, **sampling: Any) -> GenerateRequest:
 
 def worker(role: str, name: str | None = None, **options: Any) -> EngineWorker:
     return EngineWorker(
-        name or role, EngineConfig(**ENGINE, role=role), transfer_timeout=5.0, **options
+        name or role,
+        EngineConfig(**ENGINE, role=role, transfer_secret=TRANSFER_SECRET),
+        transfer_timeout=5.0,
+        **options,
     )
 
 
@@ -157,7 +161,12 @@ def test_the_decode_engine_s_policy_fail_ends_a_failed_transfer_with_an_error(pa
     prefill = pair[0]
     decode = EngineWorker(
         "strict",
-        EngineConfig(**ENGINE, role="decode", transfer_failure_policy="fail"),
+        EngineConfig(
+            **ENGINE,
+            role="decode",
+            transfer_failure_policy="fail",
+            transfer_secret=TRANSFER_SECRET,
+        ),
         transfer_timeout=5.0,
     )
     try:

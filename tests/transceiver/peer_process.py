@@ -21,6 +21,9 @@ from hybridserve.transceiver.endpoint import TransferReceiver, TransferSender
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
 
+# Both processes run this script, so they share the secret (the Coordinator's role).
+TRANSFER_SECRET = "5e" * 32
+
 
 def emit(payload: dict) -> None:
     print(json.dumps(payload), flush=True)
@@ -38,6 +41,7 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
         engine,
         engine.layout,
         create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
+        secret=TRANSFER_SECRET,
         lock=lock,
         host="127.0.0.1",
     )
@@ -81,6 +85,7 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
         engine.layout,
         create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         (host, int(port)),
+        secret=TRANSFER_SECRET,
         lock=lock,
     )
     for line in sys.stdin:

@@ -36,7 +36,7 @@ from hybridserve.transceiver.protocol import TransferRequest
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.transceiver.tcp_backend import TcpBackend
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
-from tests.helpers import assert_pools_at_baseline, make_hf_model
+from tests.helpers import TRANSFER_SECRET, assert_pools_at_baseline, make_hf_model
 from tests.transceiver.link import (
     ENGINE_ARGS,
     GREEDY,
@@ -114,6 +114,9 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
         wrap_receiver: Callable[[TransferBackend], TransferBackend] = lambda b: b,
         sender_timeout: float = TIMEOUT,
         receiver_timeout: float = TIMEOUT,
+        sender_deadline: float = 60.0,
+        receiver_deadline: float = 60.0,
+        receiver_secret: str = TRANSFER_SECRET,
         decode_args: dict[str, Any] | None = None,
     ) -> Link:
         prefill = engine_pool("prefill", transfer_lease_seconds=LEASE)
@@ -130,9 +133,11 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
             wrap_receiver(
                 create_backend(backend, Pools.of(decode.caches), decode.config.transfer_streams)
             ),
+            secret=receiver_secret,
             lock=decode_lock,
             host="127.0.0.1",
             timeout=receiver_timeout,
+            deadline=receiver_deadline,
         )
         sender = TransferSender(
             prefill,
@@ -141,8 +146,10 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
                 create_backend(backend, Pools.of(prefill.caches), prefill.config.transfer_streams)
             ),
             receiver.address,
+            secret=TRANSFER_SECRET,
             lock=prefill_lock,
             timeout=sender_timeout,
+            deadline=sender_deadline,
         )
         link = Link(prefill, decode, sender, receiver, prefill_lock, decode_lock)
         links.append(link)
@@ -236,7 +243,7 @@ def test_a_sender_timeout_frees_the_prefill_side_at_once(make_link, expected):
     assert outcome.status == "failed"
     assert "sent nothing for 0.2 s" in outcome.detail
     with link.prefill_lock:
-        assert link.prefill.handoff_source("r0") is None  # released before any lease expiry
+        assert "r0" not in link.prefill.handoffs.pending  # released before any lease expiry
         assert link.prefill.cache.num_free_blocks == link.prefill.num_kv_blocks
     finished = link.decode_all()
     assert finished["r0"].token_ids == expected["r0"]
@@ -343,8 +350,8 @@ def test_a_failed_nixl_write_holds_both_sides_until_no_write_can_land(make_link,
     assert [o.status for o in outcomes] == ["acked", "failed"]
     assert "injected fault (operation 2, every 2)" in outcomes[1].detail
     with link.prefill_lock:
-        assert link.prefill.handoff_source("r0") is None  # acked: freed at once
-        assert link.prefill.handoff_source("r1") is not None  # held until the lease
+        assert "r0" not in link.prefill.handoffs.pending  # acked: freed at once
+        assert "r1" in link.prefill.handoffs.pending  # held until the lease
     with link.decode_lock:
         assert link.decode.receives.quarantined  # r1's destination
     finished = link.decode_all()
@@ -372,7 +379,7 @@ def test_a_duplicate_request_id_is_rejected_and_holds_nothing(make_link, expecte
     with link.decode_lock:
         assert (link.decode.cache.num_free_blocks, link.decode.cache.num_free_slots) == free
     with link.prefill_lock:
-        assert link.prefill.handoff_source("r0") is None  # released at once
+        assert "r0" not in link.prefill.handoffs.pending  # released at once
     finished = link.decode_all()
     assert list(finished) == ["r0"]
     assert finished["r0"].token_ids == expected["r0"]  # the first one, untouched
@@ -461,7 +468,7 @@ def test_a_handoff_released_by_its_lease_is_never_read(make_link, expected):
     time.sleep(LEASE + 0.05)
     with link.prefill_lock:
         assert link.prefill.step() == []  # idle, but the lease is enforced on every step
-        assert link.prefill.handoff_source("r0") is None
+        assert "r0" not in link.prefill.handoffs.pending
     outcome = link.send(handoff)
     assert outcome.status == "failed"
     assert "the handoff was released (lease expired or aborted)" in outcome.detail
@@ -485,12 +492,12 @@ def test_expired_leases_free_a_full_prefill_engine(checkpoint):
     assert [h.request.request_id for h in engine.take_handoffs()] == ["r0", "r1"]
     engine.add_request(SPECS[2].prompt, SamplingParams(**GREEDY), request_id="r2")
     assert engine.step() == []  # nothing fits yet: wait, do not raise
-    assert engine.handoff_source("r0") is not None
+    assert "r0" in engine.handoffs.pending
     time.sleep(0.55)
     outputs = engine.step()  # the leases expire first, then r2 is admitted
     assert [o.request_id for o in outputs] == ["r2"]
     assert [h.request.request_id for h in engine.take_handoffs()] == ["r2"]
-    assert engine.handoff_source("r0") is None and engine.handoff_source("r1") is None
+    assert "r0" not in engine.handoffs.pending and "r1" not in engine.handoffs.pending
     engine.check_integrity()
     time.sleep(0.55)  # r2's lease
     assert engine.step() == []
@@ -534,7 +541,7 @@ def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expe
         assert outcome.status == "rejected", (code, change)
         assert outcome.detail.startswith(f"{code}: request r0"), outcome.detail
         with link.prefill_lock:  # a rejection frees the prefill side at once
-            assert link.prefill.handoff_source("r0") is None
+            assert "r0" not in link.prefill.handoffs.pending
         with link.decode_lock:
             assert (link.decode.cache.num_free_blocks, link.decode.cache.num_free_slots) == free
             assert not link.decode.has_unfinished_requests()

@@ -18,6 +18,7 @@ from hybridserve.transceiver.layout import PeerLayout
 from hybridserve.transceiver.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    Challenge,
     DataFrame,
     Hello,
     ProtocolError,
@@ -93,6 +94,8 @@ MESSAGES = [
     TransferDone("req-7"),
     TransferAck("req-7"),
     TransferAbort("req-7", "client went away"),
+    Challenge(bytes(range(16))),
+    Hello(LAYOUT, "tcp", nonce=b"\x01" * 16, proof=b"\xfe" * 32),
     TransferError("req-7", "duplicate_request", "request id 'req-7' is already in use here"),
 ]
 
@@ -112,6 +115,7 @@ def test_every_message_type_is_covered_here():
     """A new message type must get a round-trip case above."""
     assert {type(m) for m in MESSAGES} == set(protocol.Message.__args__)  # type: ignore[attr-defined]
     assert {type(m).type for m in MESSAGES} == {
+        "challenge",
         "hello",
         "shard_start",
         "transfer_request",
@@ -125,19 +129,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 4, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 5, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "04"  # "v": 4
+        "a176" "05"  # "v": 5
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 4,
+        "v": 5,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -151,7 +155,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(3, "protocol version 3 is not 4"), (None, "protocol version None")]
+    ("version", "shown"), [(4, "protocol version 4 is not 5"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))

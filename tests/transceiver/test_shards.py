@@ -28,6 +28,7 @@ from hybridserve.transceiver.tp_mapping import shard, state_geometry
 from hybridserve.workers import EngineConfig
 from hybridserve.workers.disaggregation import peer_layout
 from hybridserve.workers.models.loader import read_model_config
+from tests.helpers import TRANSFER_SECRET
 
 MODEL = read_model_config("tiny")  # 2 KV heads, 8 Mamba heads, 2 groups
 NUM_BLOCKS, NUM_SLOTS = 6, 3
@@ -77,6 +78,9 @@ class PrefillPort:
         self.released.append(reason)
         return True
 
+    def unpin_handoff(self, request_id: str) -> None:
+        self.released.append("unpinned")
+
 
 @dataclass
 class DecodePort:
@@ -120,11 +124,11 @@ def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
     src_backends = [create_backend(backend, pools, 2) for pools in src_pools]
     dst_backends = [create_backend(backend, pools, 2) for pools in dst_pools]
     receivers = [
-        ShardReceiver(layout, b, host="127.0.0.1", timeout=5.0)
+        ShardReceiver(layout, b, secret=TRANSFER_SECRET, host="127.0.0.1", timeout=5.0)
         for layout, b in zip(dst_layouts, dst_backends, strict=True)
     ]
     senders = [
-        ShardSender(layout, b, timeout=5.0)
+        ShardSender(layout, b, secret=TRANSFER_SECRET, timeout=5.0)
         for layout, b in zip(src_layouts, src_backends, strict=True)
     ]
     prefill, decode = PrefillPort(), DecodePort()
@@ -132,6 +136,7 @@ def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
         decode,
         dst_layouts[0],
         dst_backends[0],
+        secret=TRANSFER_SECRET,
         lock=threading.Lock(),
         host="127.0.0.1",
         timeout=5.0,
@@ -142,6 +147,7 @@ def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
         src_layouts[0],
         src_backends[0],
         receiver.address,
+        secret=TRANSFER_SECRET,
         lock=threading.Lock(),
         timeout=5.0,
         shards=EngineShards([RankShards(sender=s) for s in senders]),
@@ -184,8 +190,12 @@ def test_a_shard_nobody_expects_is_refused_and_the_transfer_fails_cleanly():
     src_pools = [rank_pools(source, layout) for layout in src_layouts]
     dst_pools = rank_pools({k: torch.zeros_like(t) for k, t in source.items()}, dst_layouts[0])
     dst_backend = create_backend("tcp", dst_pools, 1)
-    shard_receiver = ShardReceiver(dst_layouts[0], dst_backend, host="127.0.0.1", timeout=2.0)
-    rank1 = ShardSender(src_layouts[1], create_backend("tcp", src_pools[1], 1), timeout=2.0)
+    shard_receiver = ShardReceiver(
+        dst_layouts[0], dst_backend, secret=TRANSFER_SECRET, host="127.0.0.1", timeout=2.0
+    )
+    rank1 = ShardSender(
+        src_layouts[1], create_backend("tcp", src_pools[1], 1), secret=TRANSFER_SECRET, timeout=2.0
+    )
     try:
         # TCP writes may all fit in the socket buffers: the refusal (the receiver closed the
         # link) then shows on the next use of the link.
