@@ -85,6 +85,9 @@ class EngineStats(BaseModel):
     reused_tokens: int = Field(0, ge=0, description="prompt tokens not recomputed")
     transfer_bytes: int = Field(0, ge=0, description="KV + Mamba state bytes moved")
     transfer_failures: dict[str, int] = Field(default_factory=dict, description="by reason")
+    transfer_links_refused: dict[str, int] = Field(
+        default_factory=dict, description="links closed in their handshake, by reason"
+    )
     integrity_failures: int = Field(0, ge=0, description="idle pool recounts that failed")
 
 
@@ -105,6 +108,12 @@ _ENGINE_COUNTERS = {
     "reused_tokens": "Prompt tokens reused instead of recomputed.",
     "transfer_bytes": "Bytes of KV and Mamba state transferred.",
     "integrity_failures": "Idle-time cache recounts that found the pools inconsistent.",
+}
+_ENGINE_COUNTERS_BY_REASON = {
+    "transfer_failures": "Failed transfers, by reason.",
+    # Alert on unauthenticated: something that is not an engine of this deployment connects.
+    "transfer_links_refused": "Transfer links refused in their handshake (unauthenticated, "
+    "layout_mismatch, malformed), by reason.",
 }
 
 
@@ -128,13 +137,12 @@ class _EngineCollector(Collector):
             for engine, stats in engines.items():
                 counter.add_metric([self.model_name, engine], getattr(stats, name))
             yield counter
-        failures = CounterMetricFamily(
-            PREFIX + "transfer_failures", "Failed transfers, by reason.", labels=[*labels, "reason"]
-        )
-        for engine, stats in engines.items():
-            for reason, count in sorted(stats.transfer_failures.items()):
-                failures.add_metric([self.model_name, engine, reason], count)
-        yield failures
+        for name, doc in _ENGINE_COUNTERS_BY_REASON.items():
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "reason"])
+            for engine, stats in engines.items():
+                for reason, count in sorted(getattr(stats, name).items()):
+                    counter.add_metric([self.model_name, engine, reason], count)
+            yield counter
 
 
 class ServiceMetrics:

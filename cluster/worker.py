@@ -229,6 +229,9 @@ class EngineWorker:
                 "reused_tokens": cache.stats.reused_tokens,
                 "transfer_bytes": self.transfer_stats["bytes"],
                 "transfer_failures": dict(self.transfer_failures),
+                "transfer_links_refused": dict(self.receiver.refused_links)
+                if self.receiver is not None
+                else {},
                 "num_free_blocks": cache.num_free_blocks,
                 "num_free_slots": cache.num_free_slots,
                 # Held by requests, hand-offs, receives or quarantine (blocks cached in the

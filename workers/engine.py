@@ -281,11 +281,14 @@ class Engine:
         if request is None:
             return None
         if request.status is RequestStatus.HANDED_OFF and self.handoffs is not None:
+            # Its pages go now, or after the send that still reads them.
             self.handoffs.release(request_id, "aborted")
-        elif request.status is RequestStatus.RECEIVING and self.receives is not None:
-            self.receives.fail(request_id, "aborted", writer_done=False)
-        if not request.is_finished:
-            self.scheduler.finish(request, "abort")
+            request.finish_reason = "abort"
+        else:
+            if request.status is RequestStatus.RECEIVING and self.receives is not None:
+                self.receives.fail(request_id, "aborted", writer_done=False)
+            if not request.is_finished:
+                self.scheduler.finish(request, "abort")
         for choice in [r for r in self._requests.values() if r.parent_id == request_id]:
             self.abort(choice.request_id)
         self._publish_cache_events()
@@ -379,7 +382,10 @@ class Engine:
                 self.handoffs.release(request.request_id, "engine stopped")
             elif request.status is RequestStatus.RECEIVING and self.receives is not None:
                 self.receives.fail(request.request_id, "engine stopped", writer_done=False)
-            self.scheduler.finish(request, "error")
+            if request.status is RequestStatus.HANDED_OFF:
+                request.finish_reason = "error"  # pinned by a send: freed after it
+            else:
+                self.scheduler.finish(request, "error")
             request.error = f"the engine stopped: {reason}"
             self._ended.append(request.to_output())
         self._requests.clear()

@@ -105,7 +105,9 @@ def test_engine_reports_are_exported_as_last_reported():
                 "transfer_failures": {"timeout": 2, "peer_died": 1},
                 "added_by_a_newer_engine": 1,
             },
-            "decode-0": EngineStats(num_requests_running=5),
+            "decode-0": EngineStats(
+                num_requests_running=5, transfer_links_refused={"unauthenticated": 3}
+            ),
         }
     )
     metrics.set_prefix_index(num_blocks=12, num_snapshots=3)
@@ -124,6 +126,8 @@ def test_engine_reports_are_exported_as_last_reported():
     failures = "hybridserve:transfer_failures_total"
     assert samples[(failures, labels(engine="prefill-0", reason="timeout"))] == 2
     assert samples[(failures, labels(engine="prefill-0", reason="peer_died"))] == 1
+    refused = "hybridserve:transfer_links_refused_total"
+    assert samples[(refused, labels(engine="decode-0", reason="unauthenticated"))] == 3
     assert samples[("hybridserve:prefix_index_blocks", labels())] == 12
     assert samples[("hybridserve:prefix_index_snapshots", labels())] == 3
 
