@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import platform
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hybridserve.workers import LLM, SamplingParams
 
 
 def build_checkpoint(folder: Path, quick: bool) -> None:
@@ -66,3 +70,48 @@ def write_result(path: str | Path, result: dict[str, Any]) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    concurrency: int
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    concurrency: int,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
+) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(
+        prompt_range[0], prompt_range[1] + 1, (num_requests,), generator=gen
+    )
+    output_lens = torch.randint(
+        output_range[0], output_range[1] + 1, (num_requests,), generator=gen
+    )
+    prompts = [torch.randint(1, 4096, (int(n),), generator=gen).tolist() for n in prompt_lens]
+    return Workload(concurrency, prompts, output_lens.tolist())
+
+
+def run_ours(folder: Path, workload: Workload) -> float:
+    """Seconds our engine takes for the workload (continuous batching, at most
+    `concurrency` running), after a one-request warm-up."""
+    llm = LLM(str(folder), max_num_seqs=workload.concurrency, max_num_batched_tokens=2048)
+    warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
+    llm.generate(workload.prompts[:1], warmup, use_tqdm=False)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outputs) == workload.num_output_tokens
+    return elapsed

@@ -17,56 +17,12 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import build_checkpoint, machine, write_result
+from common import Workload, build_checkpoint, machine, make_workload, run_ours, write_result
 
 from hybridserve.workers import LLM, SamplingParams
-
-
-@dataclass(frozen=True)
-class Workload:
-    concurrency: int
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(
-    concurrency: int,
-    num_requests: int,
-    prompt_range: tuple[int, int],
-    output_range: tuple[int, int],
-    seed: int,
-) -> Workload:
-    gen = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(
-        prompt_range[0], prompt_range[1] + 1, (num_requests,), generator=gen
-    )
-    output_lens = torch.randint(
-        output_range[0], output_range[1] + 1, (num_requests,), generator=gen
-    )
-    prompts = [torch.randint(1, 4096, (int(n),), generator=gen).tolist() for n in prompt_lens]
-    return Workload(concurrency, prompts, output_lens.tolist())
-
-
-def run_ours(folder: Path, workload: Workload) -> float:
-    llm = LLM(str(folder), max_num_seqs=workload.concurrency, max_num_batched_tokens=2048)
-    warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
-    llm.generate(workload.prompts[:1], warmup, use_tqdm=False)
-    params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
-    ]
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert sum(len(o.token_ids) for o in outputs) == workload.num_output_tokens
-    return elapsed
 
 
 @torch.no_grad()

@@ -1,0 +1,134 @@
+"""What a step costs outside the model runner: the scheduler and the cache managers, at 1, 32
+and 256 running requests.
+
+    python bench/step_overhead.py [--quick] [--running 1 32 256] [--output ...]
+
+One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small
+one) with prefix caching and Mamba snapshots on, as served. N requests with 64-token prompts
+decode together; once all N run, each decode-only step is split into: `schedule` (the scheduler
+decides, the cache coordinator allocates and logs its ops), `execute` (the model runner: cache
+ops, forward, sampling), `update` (tokens appended, commits and stop checks) and the rest of
+`Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step and the share
+of the step spent outside `execute`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import build_checkpoint, machine, write_result
+
+from hybridserve.workers import LLM, SamplingParams
+
+PROMPT_LEN, OUTPUT_LEN = 64, 48
+
+
+class Timed:
+    """Replaces `owner.name` with a wrapper that records each call's seconds in `seconds`."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.seconds: list[float] = []
+        self.owner, self.name = owner, name
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        delattr(self.owner, self.name)  # the instance attribute shadowed the method
+
+
+def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(num_running)
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    for _ in range(num_running):
+        engine.add_request(torch.randint(1, vocab, (PROMPT_LEN,), generator=gen).tolist(), params)
+    while len(engine.scheduler.running) < num_running or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
+        engine.step()  # prompts
+    timers = {
+        "schedule": Timed(engine.scheduler, "schedule"),
+        "execute": Timed(engine, "_execute"),
+        "update": Timed(engine.scheduler, "update"),
+        "step": Timed(engine, "step"),
+    }
+    steps = 0
+    while all(r.num_output_tokens < OUTPUT_LEN - 1 for r in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    for timer in timers.values():
+        timer.restore()
+    while engine.has_unfinished_requests():
+        engine.step()
+    per_step = {name: t.seconds for name, t in timers.items()}
+    assert {len(s) for s in per_step.values()} == {steps}, "one call of each per step"
+    ms = {name: statistics.median(s) * 1e3 for name, s in per_step.items()}
+    rest = [
+        step - schedule - execute - update
+        for step, schedule, execute, update in zip(
+            *(per_step[n] for n in ("step", "schedule", "execute", "update")), strict=True
+        )
+    ]
+    other = statistics.median(rest) * 1e3
+    return {
+        "running": num_running,
+        "steps": steps,
+        "step_ms": ms["step"],
+        "execute_ms": ms["execute"],
+        "schedule_ms": ms["schedule"],
+        "update_ms": ms["update"],
+        "other_ms": other,
+        "outside_share": (ms["step"] - ms["execute"]) / ms["step"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small checkpoint")
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--output", default="bench/results/step_overhead.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_checkpoint(folder, quick=args.quick)
+        most = max(args.running)
+        with LLM(
+            str(folder),
+            max_num_seqs=most,
+            max_num_batched_tokens=max(2048, most),
+            max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+            num_kv_blocks=most * 8 + 64,
+        ) as llm:
+            vocab = llm.engine.model_config.vocab_size
+            measure(llm, min(4, most), vocab)  # warm-up
+            results = [measure(llm, n, vocab) for n in args.running]
+    print(
+        f"{'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
+        f"{'other':>8} {'outside':>8}"
+    )
+    for r in results:
+        print(
+            f"{r['running']:>8} {r['step_ms']:>7.2f}ms {r['execute_ms']:>7.2f}ms "
+            f"{r['schedule_ms']:>7.3f}ms {r['update_ms']:>7.3f}ms {r['other_ms']:>6.3f}ms "
+            f"{r['outside_share']:>7.1%}"
+        )
+    write_result(args.output, {"machine": machine(), "quick": args.quick, "results": results})
+
+
+if __name__ == "__main__":
+    main()

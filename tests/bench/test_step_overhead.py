@@ -1,0 +1,14 @@
+"""The step-overhead benchmark runs end to end (quick mode) and splits every step into parts
+that nest inside it."""
+
+from __future__ import annotations
+
+
+def test_quick_run_splits_each_step_into_its_parts(run_bench):
+    result = run_bench("step_overhead.py", "--quick", "--running", "1", "4")
+    assert [r["running"] for r in result["results"]] == [1, 4]
+    for r in result["results"]:
+        assert r["steps"] > 0
+        assert r["step_ms"] > r["execute_ms"] > 0
+        assert r["schedule_ms"] > 0 and r["update_ms"] > 0 and r["other_ms"] >= 0
+        assert 0 < r["outside_share"] < 1
