@@ -253,7 +253,6 @@ class LlamaServer:
                 "prompt": prompt,
                 "n_predict": max_tokens,
                 "temperature": 0.0,
-                "samplers": ["greedy"],
                 "ignore_eos": True,
                 "cache_prompt": False,
                 "return_tokens": True,
