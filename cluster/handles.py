@@ -3,13 +3,17 @@
 A call or stream that fails because the actor is gone raises EngineDied with its name.
 
 Every awaited call is shielded: when a request's coroutine is cancelled (its client went
-away), the actor call it awaited runs to its end rather than being cancelled half-way, so its
-effect is known (a route that lands after its caller left gives its load back) and the
-request is aborted explicitly (`Orchestrator`)."""
+away), the actor call it awaited is not cancelled half-way by asyncio, so its effect is known
+(a route that lands after its caller left gives its load back) and the request is aborted
+explicitly (`Orchestrator`). Serve also cancels the request's Ray task then, and Ray cancels
+every actor call that task submitted and that has not run yet: the calls made on the way out
+(releases, aborts) are therefore submitted outside it (`_call_detached`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +21,15 @@ from ray.exceptions import RayActorError
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied
+
+
+def _call_detached(method: Any, *args: Any) -> None:
+    """`method.remote(*args)`, fire and forget, submitted outside the current request's Ray
+    task: a client that goes away makes Serve cancel that task, and Ray then cancels every
+    actor call the task submitted that has not run yet, which dropped releases and aborts
+    made on the way out (router load never given back, requests left running)."""
+    call = functools.partial(method.remote, *args)
+    asyncio.get_running_loop().call_soon(call, context=contextvars.Context())
 
 
 class RayEngine:
@@ -65,7 +78,7 @@ class RayEngine:
 
     async def abort(self, request_id: str) -> None:
         # NOTE: not awaited: it runs while the request's caller is being torn down.
-        self.handle.abort.remote(request_id)
+        _call_detached(self.handle.abort, request_id)
 
 
 class RayRouter:
@@ -85,7 +98,7 @@ class RayRouter:
         if call.cancelled() or call.exception() is not None:
             return
         for engine in call.result().get("incarnations", {}):
-            self.handle.release.remote(engine)
+            _call_detached(self.handle.release, engine)
 
     async def release(self, engine: str) -> None:
-        self.handle.release.remote(engine)  # fire and forget, in order on the actor
+        _call_detached(self.handle.release, engine)  # fire and forget

@@ -355,7 +355,14 @@ class EngineWorker:
         with self.lock:
             output = self.engine.abort(request_id)
         stream = self._streams.get(request_id)
-        if output is not None and stream is not None:
+        if stream is not None and stream.prefill_done is None:
+            # The stream goes with the request, also when nobody follows it (a decode engine
+            # whose transfer has not landed, or whose follower was cancelled before it
+            # started); a follower still gets the abort. (prefill() closes its own stream.)
+            del self._streams[request_id]
+            if not stream.ended:
+                stream.end(request_id, "abort")
+        elif output is not None and stream is not None:
             stream.end(request_id, "abort")
         self._flush_cache_events()
         return output is not None
@@ -489,7 +496,12 @@ class EngineWorker:
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
-            return  # its caller went away; the request was aborted by _close
+            # Its caller went away (the request was aborted by _close), or nobody expects it
+            # any more (a transfer or recompute that landed after the abort): stop it.
+            if not output.finished:
+                with self.lock:
+                    self.engine.abort(request_id)
+            return
         index = output.index
         sent = stream.num_sent.get(index, 0)
         new = output.token_ids[sent:]

@@ -223,7 +223,14 @@ class TransferReceiver:
                 self.engine.fail_receive(request_id, f"shards not armed: {exc}", writer_done=True)
             channel.send(TransferError(request_id, "shards_unavailable", str(exc)))
             return
-        channel.send(plan)
+        try:
+            channel.send(plan)
+        except TransferFailed:
+            with self.lock:  # nothing was sent to it: nothing can land
+                self.engine.fail_receive(request_id, "the sender went away", writer_done=True)
+            if shards is not None:
+                shards.cancel(request_id)
+            raise
         num_blocks = plan.held_blocks + len(plan.dst_block_ids)
         copies = [
             RegionCopy(c.kind, -1, c.dst, c.pieces)

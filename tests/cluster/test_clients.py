@@ -18,8 +18,8 @@ from pydantic import BaseModel, Field
 
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
-from tests.cluster.conftest import API_KEY, ENGINE, assert_at_baseline
 from tests.helpers import engine_logprobs
+from tests.service import API_KEY, ENGINE, assert_at_baseline
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import ray
 
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
-from tests.cluster.conftest import ENGINE, Service, assert_at_baseline, client
 from tests.helpers import make_hf_model
+from tests.service import ENGINE, Service, assert_at_baseline, client
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from hybridserve.workers import LLM, SamplingParams
-from tests.cluster.conftest import API_KEY, ENGINE, Service, assert_at_baseline, client
 from tests.helpers import PERSON_SCHEMA, engine_logprobs
+from tests.service import API_KEY, ENGINE, Service, assert_at_baseline, client
 
 pytestmark = pytest.mark.slow
 

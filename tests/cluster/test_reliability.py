@@ -15,7 +15,7 @@ import httpx
 import pytest
 import ray
 
-from tests.cluster.conftest import API_KEY, ENGINE, Service, assert_at_baseline, beside
+from tests.service import API_KEY, ENGINE, Service, assert_at_baseline, beside
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import ray
 
 from hybridserve.cluster.openai_protocol import derive_cache_salt
 from hybridserve.workers import LLM, SamplingParams
-from tests.cluster.conftest import (
+from tests.service import (
     API_KEY,
     ENGINE,
     OTHER_KEY,

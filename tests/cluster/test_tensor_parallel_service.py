@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from hybridserve.workers import LLM, SamplingParams
-from tests.cluster.conftest import (
+from tests.service import (
     ENGINE,
     PROMPT,
     assert_at_baseline,

@@ -26,7 +26,7 @@ import pytest
 import ray
 
 from hybridserve.workers import LLM
-from tests.cluster.conftest import (
+from tests.service import (
     API_KEY,
     ENGINE,
     OTHER_KEY,

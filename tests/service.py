@@ -1,5 +1,6 @@
 """One real local Ray cluster and one running service per test session (started lazily, by
-the first test that asks for it)."""
+the first test that asks for it), and the helpers of the tests that use them. A plugin of the
+root conftest, so that tests/cluster and tests/soak share the one session service."""
 
 from __future__ import annotations
 
