@@ -1,0 +1,160 @@
+"""What serving costs on top of the engine: the same prompts offline and through the service,
+colocated and 1 prefill + 1 decode, side by side in one run.
+
+    python bench/service_overhead.py [--quick] [--output bench/results/service_overhead.json]
+
+On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small one):
+- latency: one request at a time, a 90-token prompt and 64 output tokens, `--rounds` times
+  (fresh prompts): median time to first token and median inter-token latency;
+- throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s.
+Offline is `Engine.step` driven in this process (a token counts when its step returns it).
+The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
+the official `openai` client streaming completions, as `hybridserve bench serve` does. Ratios
+are service / offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import build_checkpoint, machine, write_result
+
+from hybridserve.cluster import local
+from hybridserve.cluster.bench_serve import Prompt, run_benchmark
+from hybridserve.workers import LLM, SamplingParams
+
+LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
+BATCH, BATCH_PROMPT, BATCH_OUTPUT = 32, 128, 64
+ENGINE = {"max_num_seqs": BATCH, "max_model_len": 1024, "max_num_batched_tokens": 2048}
+
+
+def prompts(count: int, length: int, output: int, seed: int) -> list[Prompt]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Prompt(torch.randint(1, 4096, (length,), generator=gen).tolist(), output)
+        for _ in range(count)
+    ]
+
+
+def offline(folder: Path, latency: list[Prompt], batch: list[Prompt]) -> dict[str, float]:
+    with LLM(str(folder), **ENGINE) as llm:
+        engine = llm.engine
+        ttfts, itls = [], []
+        for prompt in [latency[0], *latency]:  # the first warms up
+            params = SamplingParams(max_tokens=prompt.output_len, temperature=0.0, ignore_eos=True)
+            start = last = time.perf_counter()
+            engine.add_request(prompt.token_ids, params)
+            first = None
+            gaps = []
+            while engine.has_unfinished_requests():
+                for _ in engine.step():
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            ttfts.append(first)
+            itls.extend(gaps)
+        ttfts, itls = ttfts[1:], itls[LATENCY_OUTPUT - 1 :]
+        start = time.perf_counter()
+        outputs = llm.generate(
+            [p.token_ids for p in batch],
+            SamplingParams(max_tokens=BATCH_OUTPUT, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outputs) == BATCH * BATCH_OUTPUT
+    return {
+        "ttft_ms": statistics.median(ttfts) * 1e3,
+        "itl_ms": statistics.median(itls) * 1e3,
+        "output_tokens_per_s": BATCH * BATCH_OUTPUT / elapsed,
+    }
+
+
+def served(
+    folder: Path, shape: dict[str, int], latency: list[Prompt], batch: list[Prompt]
+) -> dict[str, float]:
+    model = "bench"
+    config = shape | {
+        "model": str(folder),
+        "served_model_name": model,
+        "engine": ENGINE,
+        "torch_threads": 2,
+    }
+    local.connect_ray()
+    try:
+        base_url = local.deploy(config, port=local.free_port())
+        options = argparse.Namespace(
+            request_rate=float("inf"), burstiness=1.0, seed=0, api_key=None, request_timeout=600
+        )
+
+        def run(group: list[Prompt], concurrency: int) -> tuple[list[Any], float]:
+            options.max_concurrency = concurrency
+            records, seconds = asyncio.run(run_benchmark(base_url, group, options, model))
+            failed = [r.error for r in records if not r.ok]
+            assert not failed, failed[:3]
+            return records, seconds
+
+        run(latency[:1], 1)  # warm-up
+        records, _ = run(latency, 1)
+        _, seconds = run(batch, BATCH)
+    finally:
+        local.shutdown()
+    return {
+        "ttft_ms": statistics.median(r.ttft_s for r in records) * 1e3,
+        "itl_ms": statistics.median(gap for r in records for gap in r.itls_s) * 1e3,
+        "output_tokens_per_s": BATCH * BATCH_OUTPUT / seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small checkpoint")
+    parser.add_argument("--rounds", type=int, default=5, help="single requests per system")
+    parser.add_argument("--output", default="bench/results/service_overhead.json")
+    args = parser.parse_args()
+    latency = prompts(args.rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed=1)
+    batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_checkpoint(folder, quick=args.quick)
+        systems = {
+            "offline": offline(folder, latency, batch),
+            "colocated": served(folder, {"num_prefill": 0, "num_decode": 1}, latency, batch),
+            "1P1D": served(folder, {"num_prefill": 1, "num_decode": 1}, latency, batch),
+        }
+    base = systems["offline"]
+    print(f"{'system':>10} {'TTFT':>10} {'ITL':>9} {'tok/s @32':>10}   vs offline")
+    for name, figures in systems.items():
+        added = figures["ttft_ms"] - base["ttft_ms"]
+        itl = figures["itl_ms"] / base["itl_ms"]
+        rate = figures["output_tokens_per_s"] / base["output_tokens_per_s"]
+        print(
+            f"{name:>10} {figures['ttft_ms']:>8.1f}ms {figures['itl_ms']:>7.2f}ms "
+            f"{figures['output_tokens_per_s']:>10.1f}   TTFT {added:+.1f} ms, ITL {itl:.2f}x, "
+            f"tok/s {rate:.0%}"
+        )
+        figures |= {"ttft_added_ms": added, "itl_ratio": itl, "throughput_ratio": rate}
+    write_result(
+        args.output,
+        {
+            "benchmark": "service_overhead",
+            "quick": args.quick,
+            "machine": machine(),
+            "latency": {"prompt_len": LATENCY_PROMPT, "output_len": LATENCY_OUTPUT},
+            "throughput": {"concurrency": BATCH, "prompt_len": BATCH_PROMPT},
+            "systems": systems,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
