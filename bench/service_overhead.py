@@ -9,8 +9,8 @@ On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the sm
 - throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s.
 Offline is `Engine.step` driven in this process (a token counts when its step returns it).
 The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
-the official `openai` client streaming completions, as `hybridserve bench serve` does. Ratios
-are service / offline.
+the official `openai` client streaming completions (a token counts when its chunk arrives).
+Ratios are service / offline.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,17 @@ import torch
 from common import build_checkpoint, machine, write_result
 
 from hybridserve.cluster import local
-from hybridserve.cluster.bench_serve import Prompt, run_benchmark
 from hybridserve.workers import LLM, SamplingParams
 
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
 BATCH, BATCH_PROMPT, BATCH_OUTPUT = 32, 128, 64
 ENGINE = {"max_num_seqs": BATCH, "max_model_len": 1024, "max_num_batched_tokens": 2048}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    output_len: int
 
 
 def prompts(count: int, length: int, output: int, seed: int) -> list[Prompt]:
@@ -79,9 +85,39 @@ def offline(folder: Path, latency: list[Prompt], batch: list[Prompt]) -> dict[st
     }
 
 
+async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[float]]:
+    """One streamed completion: (time to first token, inter-token gaps), in seconds. The
+    checkpoint has no tokenizer: chunks are counted by their token ids."""
+    start = last = time.perf_counter()
+    first, gaps, received = None, [], 0
+    chunks = await client.completions.create(
+        model=model,
+        prompt=prompt.token_ids,
+        max_tokens=prompt.output_len,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in chunks:
+        token_ids = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else None
+        if not token_ids:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now - start
+        else:
+            gaps.append(now - last)
+        last = now
+        received += len(token_ids)
+    assert first is not None and received == prompt.output_len, (received, prompt.output_len)
+    return first, gaps
+
+
 def served(
     folder: Path, shape: dict[str, int], latency: list[Prompt], batch: list[Prompt]
 ) -> dict[str, float]:
+    import openai
+
     model = "bench"
     config = shape | {
         "model": str(folder),
@@ -92,25 +128,28 @@ def served(
     local.connect_ray()
     try:
         base_url = local.deploy(config, port=local.free_port())
-        options = argparse.Namespace(
-            request_rate=float("inf"), burstiness=1.0, seed=0, api_key=None, request_timeout=600
-        )
 
-        def run(group: list[Prompt], concurrency: int) -> tuple[list[Any], float]:
-            options.max_concurrency = concurrency
-            records, seconds = asyncio.run(run_benchmark(base_url, group, options, model))
-            failed = [r.error for r in records if not r.ok]
-            assert not failed, failed[:3]
-            return records, seconds
+        async def measure() -> tuple[list[float], list[float], float]:
+            client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
+            try:
+                await stream(client, model, latency[0])  # warm-up
+                ttfts, itls = [], []
+                for prompt in latency:
+                    first, gaps = await stream(client, model, prompt)
+                    ttfts.append(first)
+                    itls.extend(gaps)
+                start = time.perf_counter()
+                await asyncio.gather(*(stream(client, model, p) for p in batch))
+                return ttfts, itls, time.perf_counter() - start
+            finally:
+                await client.close()
 
-        run(latency[:1], 1)  # warm-up
-        records, _ = run(latency, 1)
-        _, seconds = run(batch, BATCH)
+        ttfts, itls, seconds = asyncio.run(measure())
     finally:
         local.shutdown()
     return {
-        "ttft_ms": statistics.median(r.ttft_s for r in records) * 1e3,
-        "itl_ms": statistics.median(gap for r in records for gap in r.itls_s) * 1e3,
+        "ttft_ms": statistics.median(ttfts) * 1e3,
+        "itl_ms": statistics.median(itls) * 1e3,
         "output_tokens_per_s": BATCH * BATCH_OUTPUT / seconds,
     }
 
