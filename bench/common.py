@@ -115,3 +115,21 @@ def run_ours(folder: Path, workload: Workload) -> float:
     elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outputs) == workload.num_output_tokens
     return elapsed
+
+
+def workload_ranges(quick: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(prompt length range, output length range) of the throughput comparisons."""
+    return ((8, 32), (4, 16)) if quick else ((64, 512), (32, 256))
+
+
+def comparison_workloads(quick: bool) -> list[Workload]:
+    """The throughput comparisons' workloads, at 1, 8 and 32 concurrent requests: 64–512-token
+    prompts and 32–256-token outputs (quick: 8–32 and 4–16, one request per slot)."""
+    prompt_range, output_range = workload_ranges(quick)
+    workloads = []
+    for concurrency in (1, 8, 32):
+        num_requests = concurrency if quick else (4 if concurrency == 1 else 2 * concurrency)
+        workloads.append(
+            make_workload(concurrency, num_requests, prompt_range, output_range, seed=concurrency)
+        )
+    return workloads

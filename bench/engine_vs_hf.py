@@ -20,7 +20,15 @@ import time
 from pathlib import Path
 
 import torch
-from common import Workload, build_checkpoint, machine, make_workload, run_ours, write_result
+from common import (
+    Workload,
+    build_checkpoint,
+    comparison_workloads,
+    machine,
+    run_ours,
+    workload_ranges,
+    write_result,
+)
 
 from hybridserve.workers import LLM, SamplingParams
 
@@ -90,19 +98,14 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    prompt_range, output_range = ((8, 32), (4, 16)) if args.quick else ((64, 512), (32, 256))
+    prompt_range, output_range = workload_ranges(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_checkpoint(folder, args.quick)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         rows = []
-        for concurrency in (1, 8, 32):
-            num_requests = 4 if concurrency == 1 else 2 * concurrency
-            if args.quick:
-                num_requests = concurrency
-            workload = make_workload(
-                concurrency, num_requests, prompt_range, output_range, seed=concurrency
-            )
+        for workload in comparison_workloads(args.quick):
+            concurrency, num_requests = workload.concurrency, len(workload.prompts)
             # Alternate the two systems and keep each one's best time: this VM's timing noise
             # is additive (other tenants), so the minimum is the steadiest estimate.
             ours = theirs = float("inf")

@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import Workload, build_checkpoint, machine, make_workload, run_ours, write_result
+from common import (
+    Workload,
+    build_checkpoint,
+    comparison_workloads,
+    machine,
+    run_ours,
+    workload_ranges,
+    write_result,
+)
 from llamacpp import LlamaServer, Unavailable, convert, server_binary, serving
 
 from hybridserve.workers import LLM, SamplingParams
@@ -84,13 +92,10 @@ def prefill_rates(
 
 
 def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) -> dict[str, Any]:
-    prompt_range, output_range = ((8, 32), (4, 16)) if args.quick else ((64, 512), (32, 256))
+    prompt_range, output_range = workload_ranges(args.quick)
     rows = []
-    for concurrency in (1, 8, 32):
-        num_requests = concurrency if args.quick else (4 if concurrency == 1 else 2 * concurrency)
-        workload = make_workload(
-            concurrency, num_requests, prompt_range, output_range, seed=concurrency
-        )
+    for workload in comparison_workloads(args.quick):
+        concurrency, num_requests = workload.concurrency, len(workload.prompts)
         context = prompt_range[1] + output_range[1] + 16
         ours = theirs = float("inf")
         with serving(binary, gguf, slots=concurrency, context=context) as server:

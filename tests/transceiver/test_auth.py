@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,19 +19,6 @@ from hybridserve.transceiver.protocol import Challenge, Hello, TransferError
 from tests.transceiver.test_protocol import LAYOUT
 
 SECRET, OTHER = new_secret(), new_secret()
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Channel, Channel]]:
-    """(connecting, accepting) channels over one loopback connection."""
-    server = socket.create_server(("127.0.0.1", 0))
-    client = Channel.connect(server.getsockname()[:2], timeout=2.0)
-    accepted, _ = server.accept()
-    server.close()
-    peer = Channel(accepted, timeout=2.0)
-    yield client, peer
-    client.close()
-    peer.close()
 
 
 def hello(layout: PeerLayout = LAYOUT, info: bytes = b"") -> Hello:
