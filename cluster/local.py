@@ -51,15 +51,27 @@ def deploy(
     route_prefix: str = "/",
 ) -> str:
     """Run the service as the Serve application `name` under `route_prefix`; returns its
-    base URL once every engine is up. (Serve has one HTTP proxy: a second application on
-    the same cluster shares its host and port, under another prefix.)"""
+    base URL once every engine is up. `host` and `port` apply when this starts Serve on the
+    cluster: Serve has one HTTP proxy per node, so on a cluster where Serve already runs (an
+    earlier launch, another application) the application is served at that proxy's address,
+    which is the one returned."""
     from ray import serve
 
     from hybridserve.cluster.app import build_app
 
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    host, port = serving_address()
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def serving_address() -> tuple[str, int]:
+    """The host and port of the running Serve instance's HTTP proxies (fixed when Serve was
+    first started on the cluster)."""
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config  # Serve has no public getter for it
+    return http.host, http.port
 
 
 def coordinator(name: str = APP_NAME) -> Any:

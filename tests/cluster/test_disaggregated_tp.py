@@ -2,7 +2,7 @@
 `openai` client: every rank moves its own shards (shard links between rank actors). Oracle: an
 offline TP 1 engine of the same checkpoint. Topologies: prefill TP 2 -> decode TP 1, TP 1 ->
 TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint; both transfer backends
-(every TP pair runs over both in tests/transceiver/test_shards.py)."""
+among them (every TP pair runs over both in tests/transceiver/test_shards.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
 TOPOLOGIES = {
     "tp2-to-tp1-tcp": ("tiny", TP2, {}, "tcp"),
     "tp1-to-tp2-nixl": ("tiny", {}, TP2, "nixl"),
-    "tp2ep-to-tp2ep-tcp": ("moe", EP2, EP2, "tcp"),
     "tp2ep-to-tp2ep-nixl": ("moe", EP2, EP2, "nixl"),
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -340,3 +341,12 @@ def test_zzz_the_killed_engine_is_restarted_and_serves_again(service):
     served = [s[restarted]["attention_tokens"] for s in scores]
     assert any(served), scores  # its cache events reach the index: it holds a prompt
     assert_at_baseline(service)
+
+
+def test_the_serving_address_is_the_running_proxy_s(service):
+    """A launch on a cluster where Serve already runs is served at that proxy's address, not
+    at the port it asked for (Serve ignores a second start's http_options)."""
+    from hybridserve.cluster import local
+
+    url = urlsplit(service.base_url)
+    assert local.serving_address() == (url.hostname, url.port)

@@ -1,10 +1,11 @@
-"""The CPU variants (`manifests/local/`) run, on a Ray cluster each that stands in for the
+"""The CPU variants (`manifests/local/`) run, on a Ray cluster that stands in for the
 manifest's pods: `ray start --head` with the pods' environment (Secret references resolved)
 and as many logical CPUs as its node groups provide, the volumes' mount paths pointed at
-temporary folders.
+temporary folders. Manifests whose pods look alike share the cluster.
 
 - Each RayJob's entrypoint runs through `ray job submit` with its runtimeEnvYAML: exit 0, and
-  its result JSON lands on the results volume with no failed request.
+  its result JSON lands on the results volume with no failed request, the topology it launched
+  and every engine alive.
 - The RayService's serveConfigV2 goes through `serve deploy` (only the HTTP address moved to
   loopback and a free port); the official `openai` client gets a chat completion with the
   Secret's key, and every probe of the manifest answers 200 on the port it names.
@@ -12,10 +13,11 @@ temporary folders.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.request
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +60,6 @@ def pod_env(document: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def standing_in(document: dict[str, Any]) -> AbstractContextManager[RayHead]:
-    """A Ray cluster for the manifest's pods: their environment, their logical CPUs."""
-    num_cpus = sum(g.num_cpus * g.replicas for g in node_groups(document))
-    return ray_head(num_cpus=int(num_cpus), env=pod_env(document))
-
-
 def mounted(document: dict[str, Any], root: Path) -> dict[str, Path]:
     """Each volume mount path of the Ray pods -> a folder of its own under `root`."""
     paths = {}
@@ -88,9 +84,40 @@ def result_files(argv: list[str]) -> list[str]:
     return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--output"]
 
 
+# What each local RayJob launches: its topology label and the prefill engine's placement.
+LAUNCHED = {
+    "rayjob-bench.yaml": (
+        "1P(TP2)1D(TP1)",
+        {"ranks": 2, "bundle": {"CPU": 1.0}, "placement_strategy": "STRICT_PACK"},
+    ),
+    "rayjob-multiturn.yaml": ("1P(TP1)1D(TP1)", None),
+}
+
+
+@pytest.fixture(scope="module")
+def heads() -> Iterator[Callable[[dict[str, Any]], RayHead]]:
+    """The Ray cluster standing in for a manifest's pods: their environment, their logical
+    CPUs. Manifests of the same pod shape share one, as jobs submitted to one RayCluster do;
+    another shape stops the previous cluster first (one at a time on this machine)."""
+    with contextlib.ExitStack() as stack:
+        current: dict[tuple, RayHead] = {}
+
+        def head_for(document: dict[str, Any]) -> RayHead:
+            num_cpus = int(sum(g.num_cpus * g.replicas for g in node_groups(document)))
+            env = pod_env(document)
+            key = (num_cpus, tuple(sorted(env.items())))
+            if key not in current:
+                stack.close()
+                current.clear()
+                current[key] = stack.enter_context(ray_head(num_cpus=num_cpus, env=env))
+            return current[key]
+
+        yield head_for
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.name for p in LOCAL.glob("rayjob-*.yaml")))
-def test_a_local_rayjob_entrypoint_runs_through_ray_job_submit(name, tmp_path):
+def test_a_local_rayjob_entrypoint_runs_through_ray_job_submit(name, heads, tmp_path):
     document = load(LOCAL / name)
     mounts = mounted(document, tmp_path)
     argv = localized(entrypoint_argv(document), mounts)
@@ -99,23 +126,28 @@ def test_a_local_rayjob_entrypoint_runs_through_ray_job_submit(name, tmp_path):
         "results are written to a volume"
     )
     runtime_env = yaml.safe_load(document["spec"]["runtimeEnvYAML"])
-    with standing_in(document) as head:
-        job = head.run(
-            "ray",
-            "job",
-            "submit",
-            "--address",
-            head.address,
-            "--runtime-env-json",
-            json.dumps(runtime_env),
-            "--",
-            *argv,
-        )
+    head = heads(document)
+    job = head.run(
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        head.address,
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        *argv,
+    )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     result = json.loads(Path(output).read_text())
     runs = result["policies"].values() if "policies" in result else [result]
     for run in runs:
         assert run["completed"] > 0 and run["failed"] == 0, run
+    topology, prefill_resources = LAUNCHED[name]
+    assert result["topology"] == topology
+    if prefill_resources is not None:
+        assert result["engines"]["prefill-0"]["resources"] == prefill_resources
+    assert all(engine["alive"] for engine in result["engines"].values()), result["engines"]
 
 
 def wait_for_application(head: RayHead, name: str) -> None:
@@ -131,7 +163,7 @@ def wait_for_application(head: RayHead, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_local_rayservice_serve_config_deploys_and_answers_the_openai_client(tmp_path):
+def test_the_local_rayservice_serve_config_deploys_and_answers_the_openai_client(heads, tmp_path):
     document = load(LOCAL / "rayservice.yaml")
     config = serve_config(document)
     port = free_port()
@@ -140,32 +172,32 @@ def test_the_local_rayservice_serve_config_deploys_and_answers_the_openai_client
     config_file.write_text(yaml.safe_dump(config))
     (app,) = config["applications"]
     api_key = pod_env(document)[API_KEYS_ENV].split(",")[0]
-    with standing_in(document) as head:
-        deploy = head.run("serve", "deploy", str(config_file), "--address", head.address)
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        try:
-            wait_for_application(head, app["name"])
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key)
-            answer = client.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "Hello from the manifest."}],
-                max_tokens=8,
-                temperature=0,
-            )
-            assert answer.choices[0].finish_reason == "length"
-            assert answer.usage.completion_tokens == 8
-            with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(
-                    base_url=f"http://127.0.0.1:{port}/v1", api_key="not-the-secret"
-                ).models.list()
-            # Every probe of the manifest answers on the port it names.
-            ports = {8000: port, 8265: head.dashboard_port, 52365: head.agent_port}
-            for where, container in containers(document):
-                for kind in ("readinessProbe", "livenessProbe"):
-                    probe = container.get(kind, {}).get("httpGet")
-                    if probe:
-                        url = f"http://127.0.0.1:{ports[probe['port']]}{probe['path']}"
-                        with urllib.request.urlopen(url, timeout=10) as reply:
-                            assert reply.status == 200, (where, kind, url, reply.status)
-        finally:
-            head.run("serve", "shutdown", "-y", "--address", head.address)
+    head = heads(document)
+    deploy = head.run("serve", "deploy", str(config_file), "--address", head.address)
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    try:
+        wait_for_application(head, app["name"])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key)
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello from the manifest."}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.completion_tokens == 8
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="not-the-secret"
+            ).models.list()
+        # Every probe of the manifest answers on the port it names.
+        ports = {8000: port, 8265: head.dashboard_port, 52365: head.agent_port}
+        for where, container in containers(document):
+            for kind in ("readinessProbe", "livenessProbe"):
+                probe = container.get(kind, {}).get("httpGet")
+                if probe:
+                    url = f"http://127.0.0.1:{ports[probe['port']]}{probe['path']}"
+                    with urllib.request.urlopen(url, timeout=10) as reply:
+                        assert reply.status == 200, (where, kind, url, reply.status)
+    finally:
+        head.run("serve", "shutdown", "-y", "--address", head.address)
