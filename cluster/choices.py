@@ -7,7 +7,7 @@ though its engine may still generate it: once every choice is done the caller cl
 event stream, which aborts whatever is left.
 
     events ──> ChoiceStream[index].feed ──> ChoiceDelta(index, text, token ids, logprobs,
-                                                        finish reason)
+                                                        finish reason, holding)
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per token of token_ids, when asked for
     finish_reason: str | None
+    # Text for these tokens is still held back (an incomplete character, a possible stop
+    # string): their chunk waits for it, so a chunk's ids and text stay aligned.
+    holding: bool = False
 
 
 @dataclass
@@ -77,7 +80,8 @@ class ChoiceStream:
             self.done = True
             text = match.text + self.matcher.flush()
             return ChoiceDelta(self.index, text, token_ids, logprobs, event.finish_reason)
-        return ChoiceDelta(self.index, match.text, token_ids, logprobs, None)
+        holding = self.detokenizer.holding or self.matcher.holding
+        return ChoiceDelta(self.index, match.text, token_ids, logprobs, None, holding)
 
 
 async def choice_deltas(

@@ -21,6 +21,13 @@ class Detokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
+    @property
+    def holding(self) -> bool:
+        """Tokens whose text is not out yet (a character still missing bytes, or a window
+        that decoded to nothing new). Never, without a tokenizer: there is no text to wait
+        for."""
+        return self.tokenizer is not None and self.read_offset < len(self.token_ids)
+
     def feed(self, token_ids: list[int], final: bool) -> str:
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:

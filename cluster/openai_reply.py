@@ -151,12 +151,14 @@ class Reply:
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk for one delta; tokens whose text is held back (an incomplete UTF-8
-        sequence, a possible stop string) ride with the next chunk that has text."""
+        sequence, a possible stop string) ride with the next chunk that has text. Tokens with
+        no text to wait for (none held; a model without a tokenizer) go out at once."""
         i = delta.index
         self.token_ids[i].extend(delta.token_ids)
         self.logprobs[i].extend(delta.logprobs or [])
         first = not self.started[i]
-        if not (delta.text or delta.finish_reason is not None or first):
+        ready = bool(self.token_ids[i]) and not delta.holding
+        if not (delta.text or delta.finish_reason is not None or first or ready):
             return None
         self.started[i] = True
         token_ids, self.token_ids[i] = self.token_ids[i], []

@@ -46,6 +46,11 @@ class StopStringMatcher:
         self._held = text[len(text) - keep :]
         return StopMatch(text[: len(text) - keep], False)
 
+    @property
+    def holding(self) -> bool:
+        """Text is held back (it could still become a stop string)."""
+        return bool(self._held)
+
     def flush(self) -> str:
         held, self._held = self._held, ""
         return held
