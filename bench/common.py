@@ -133,3 +133,26 @@ def comparison_workloads(quick: bool) -> list[Workload]:
             make_workload(concurrency, num_requests, prompt_range, output_range, seed=concurrency)
         )
     return workloads
+
+
+def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
+    """The decode step's floor for `batch_size` rows, measured here: every weight matrix of
+    the model (each linear layer and the LM head) multiplied once, as the engine multiplies
+    it (pre-packed where the engine packs), nothing else. Median of `repeats` passes, in ms.
+    A decode step streams each weight once, so it cannot be faster than this."""
+    from hybridserve.kernels.cpu_gemm import linear
+    from hybridserve.workers.layers.linear import PackableLinear
+
+    model = llm.engine.executor.driver.model
+    weights = [(m.weight, m.packed) for m in model.modules() if isinstance(m, PackableLinear)]
+    weights.append((model.lm_head_weight, model.lm_head_packed))
+    inputs = [torch.randn(batch_size, w.shape[1], dtype=w.dtype) for w, _ in weights]
+    totals = []
+    with torch.inference_mode():
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            for (weight, packed), x in zip(weights, inputs, strict=True):
+                linear(x, weight, None, packed)
+            totals.append(time.perf_counter() - start)
+    totals = sorted(totals[2:])  # the first two warm the caches
+    return totals[len(totals) // 2] * 1e3

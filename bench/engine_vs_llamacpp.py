@@ -10,8 +10,10 @@ bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs 
 concurrent requests: ours through `LLM.generate` (at most N running), llama.cpp through N
 parallel HTTP clients against a server with N slots and continuous batching (`-t 2`). Also:
 prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
-of `--repeats` runs. When llama.cpp cannot be built or converted here, the script says why
-and exits 0 (the JSON says `skipped`).
+of `--repeats` runs. Beside them, the floor: the output tokens/s that the GEMMs alone allow at
+each concurrency, measured in the same run (every weight streamed once per step). When
+llama.cpp cannot be built or converted here, the script says why and exits 0 (the JSON says
+`skipped`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from common import (
     Workload,
     build_checkpoint,
     comparison_workloads,
+    gemm_floor_ms,
     machine,
     run_ours,
     workload_ranges,
@@ -91,10 +94,19 @@ def prefill_rates(
     return prompt_len / statistics.median(ours[1:]), prompt_len / statistics.median(theirs[1:])
 
 
+def decode_floors(folder: Path, concurrencies: list[int]) -> dict[int, float]:
+    """Output tokens/s no decode step can beat at each concurrency: N tokens per step, a step
+    at least the GEMM time of N rows through every weight (bench/common.gemm_floor_ms)."""
+    with LLM(str(folder)) as llm:
+        return {n: n * 1e3 / gemm_floor_ms(llm, n) for n in concurrencies}
+
+
 def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) -> dict[str, Any]:
     prompt_range, output_range = workload_ranges(args.quick)
+    workloads = comparison_workloads(args.quick)
+    floors = decode_floors(folder, [w.concurrency for w in workloads])
     rows = []
-    for workload in comparison_workloads(args.quick):
+    for workload in workloads:
         concurrency, num_requests = workload.concurrency, len(workload.prompts)
         context = prompt_range[1] + output_range[1] + 16
         ours = theirs = float("inf")
@@ -111,11 +123,12 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
                 "ours_output_tokens_per_s": tokens / ours,
                 "llamacpp_output_tokens_per_s": tokens / theirs,
                 "ratio": theirs / ours,
+                "floor_output_tokens_per_s": floors[concurrency],
             }
         )
         print(
             f"{concurrency:>11} {num_requests:>8} {tokens / ours:>11.1f} "
-            f"{tokens / theirs:>14.1f} {theirs / ours:>5.2f}x",
+            f"{tokens / theirs:>14.1f} {theirs / ours:>5.2f}x {floors[concurrency]:>11.1f}",
             flush=True,
         )
     prompt_len = 256 if args.quick else 2048
@@ -160,7 +173,7 @@ def main() -> None:
                 result["probe_tokens"] = check_agreement(folder, server)
             print(
                 f"{'concurrency':>11} {'requests':>8} {'ours tok/s':>11} {'llama.cpp tok/s':>14} "
-                f"{'ratio':>6}"
+                f"{'ratio':>6} {'floor tok/s':>11}"
             )
             result |= {"llama_server": str(binary)} | measure(args, folder, binary, gguf)
         except Unavailable as exc:

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -227,14 +228,15 @@ class LlamaServer:
             "-ub", str(max(2048, context)),
             "--no-webui",
         ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.client = httpx.Client(base_url=self.url, timeout=600)
+        # Its log goes to a file: a pipe nobody reads fills up (it logs every slot's every
+        # request) and then blocks the server mid-benchmark.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.client = httpx.Client(base_url=self.url, timeout=300)
         deadline = time.monotonic() + 120
         while True:
             if self.process.poll() is not None:
-                raise Unavailable(f"llama-server exited: {self.process.stderr.read()[-2000:]}")
+                raise Unavailable(f"llama-server exited: {self.log_tail()}")
             try:
                 if self.client.get("/health").status_code == 200:
                     return
@@ -263,6 +265,10 @@ class LlamaServer:
         assert len(tokens) == max_tokens, (len(tokens), max_tokens)
         return tokens
 
+    def log_tail(self, num_chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-num_chars:]
+
     def close(self) -> None:
         self.client.close()
         self.process.terminate()
@@ -270,6 +276,7 @@ class LlamaServer:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        self.log.close()
 
 
 @contextmanager

@@ -8,8 +8,9 @@ one) with prefix caching and Mamba snapshots on, as served. N requests with 64-t
 decode together; once all N run, each decode-only step is split into: `schedule` (the scheduler
 decides, the cache coordinator allocates and logs its ops), `execute` (the model runner: cache
 ops, forward, sampling), `update` (tokens appended, commits and stop checks) and the rest of
-`Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step and the share
-of the step spent outside `execute`.
+`Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
+of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
+through every weight matrix, measured in the same run (bench/common.gemm_floor_ms).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_checkpoint, machine, write_result
+from common import build_checkpoint, gemm_floor_ms, machine, write_result
 
 from hybridserve.workers import LLM, SamplingParams
 
@@ -85,6 +86,7 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
         )
     ]
     other = statistics.median(rest) * 1e3
+    floor = gemm_floor_ms(llm, num_running)
     return {
         "running": num_running,
         "steps": steps,
@@ -94,6 +96,8 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
         "update_ms": ms["update"],
         "other_ms": other,
         "outside_share": (ms["step"] - ms["execute"]) / ms["step"],
+        "gemm_floor_ms": floor,
+        "step_over_floor": ms["step"] / floor,
     }
 
 
@@ -119,13 +123,14 @@ def main() -> None:
             results = [measure(llm, n, vocab) for n in args.running]
     print(
         f"{'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
-        f"{'other':>8} {'outside':>8}"
+        f"{'other':>8} {'outside':>8} {'GEMM floor':>11} {'step/floor':>10}"
     )
     for r in results:
         print(
             f"{r['running']:>8} {r['step_ms']:>7.2f}ms {r['execute_ms']:>7.2f}ms "
             f"{r['schedule_ms']:>7.3f}ms {r['update_ms']:>7.3f}ms {r['other_ms']:>6.3f}ms "
-            f"{r['outside_share']:>7.1%}"
+            f"{r['outside_share']:>7.1%} {r['gemm_floor_ms']:>9.2f}ms "
+            f"{r['step_over_floor']:>9.2f}x"
         )
     write_result(args.output, {"machine": machine(), "quick": args.quick, "results": results})
 

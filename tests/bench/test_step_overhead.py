@@ -1,5 +1,5 @@
 """The step-overhead benchmark runs end to end (quick mode) and splits every step into parts
-that nest inside it."""
+that nest inside it, and measures its GEMM floor."""
 
 from __future__ import annotations
 
@@ -12,3 +12,6 @@ def test_quick_run_splits_each_step_into_its_parts(run_bench):
         assert r["step_ms"] > r["execute_ms"] > 0
         assert r["schedule_ms"] > 0 and r["update_ms"] > 0 and r["other_ms"] >= 0
         assert 0 < r["outside_share"] < 1
+        # Every weight once, nothing else: below the runner's whole step.
+        assert 0 < r["gemm_floor_ms"] < r["execute_ms"]
+        assert r["step_over_floor"] > 1
