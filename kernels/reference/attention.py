@@ -14,9 +14,10 @@ head h // (H // Hkv).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def store_kv_ref(
@@ -37,6 +38,16 @@ def store_kv_ref(
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, :, offsets] = key[valid].to(key_cache.dtype)
     value_cache[blocks, :, offsets] = value[valid].to(value_cache.dtype)
+
+
+def _causal_lower_right(q_len: int, kv_len: int, device: torch.device) -> dict[str, Any]:
+    """The bottom-right aligned causal mask as `scaled_dot_product_attention` arguments: query
+    i sits at position kv_len - q_len + i. (What torch's `causal_lower_right` bias does on
+    the CPU, without importing it: that module pulls in torch._dynamo, 1.6 s per process.)"""
+    if q_len == kv_len:
+        return {"is_causal": True}
+    ones = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    return {"attn_mask": torch.tril(ones, diagonal=kv_len - q_len)}
 
 
 def paged_attention_prefill_ref(
@@ -64,13 +75,12 @@ def paged_attention_prefill_ref(
     for s, seq_len in enumerate(seq_lens.tolist()):
         start, end = offsets[s], offsets[s + 1]
         k, v = _gather_context(key_cache, value_cache, block_tables[s], seq_len)  # (Hkv, L, D)
-        # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
         # NOTE: 4-D inputs: the fused CPU attention kernel only takes (batch, heads, len, dim).
         o = F.scaled_dot_product_attention(
             q[start:end].float().transpose(0, 1)[None],  # (1, H, q_len, D)
             k.float()[None],
             v.float()[None],
-            attn_mask=causal_lower_right(end - start, seq_len),
+            **_causal_lower_right(end - start, seq_len, q.device),
             scale=scale,
             enable_gqa=True,
         )
