@@ -9,12 +9,13 @@ A plain class (tested without Ray); `cluster/actors.py` wraps it in a Ray actor.
     receiver thread   (decode) TransferReceiver: lands transfers, under the same lock
     event loop        the caller's asyncio loop: the request coroutines below
 
+(The senders, the receiver and the shard links are `cluster/transfer_links.py`'s.)
+
 Roles: `prefill` computes a prompt and its first token and ships the request to the decode
 engine the caller named (`prefill`); `decode` opens the stream of a request it is about to
 receive (`expect`), streams it (`follow`), recovers it after a failed transfer (`recover`),
 or runs a whole request itself (`generate`: conditional disaggregation); `colocated` runs
-everything. cluster/orchestrator.py puts these steps together for one request. Every rank of
-a disaggregated engine moves its own shards of each transfer (shard links).
+everything. cluster/orchestrator.py puts these steps together for one request.
 """
 
 from __future__ import annotations
@@ -25,21 +26,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
-from hybridserve.transceiver.base import Pools
-from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
-from hybridserve.transceiver.registry import create_backend
-from hybridserve.transceiver.shards import (
-    EngineShards,
-    RankShards,
-    RankShardsPort,
-    ShardReceiver,
-    ShardSender,
-)
+from hybridserve.cluster.transfer_links import TransferLinks
+from hybridserve.transceiver.endpoint import SendOutcome
+from hybridserve.transceiver.shards import RankShardsPort
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
 from hybridserve.workers.cache.events import CacheEvent, event_to_dict
 from hybridserve.workers.disaggregation import Handoff
@@ -103,71 +96,22 @@ class EngineWorker:
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
         self.engine.subscribe(self)
-        self._transfer_timeout = transfer_timeout
-        self._transfer_deadline = transfer_deadline
-        secret = engine_config.transfer_secret
-        if self.role != "colocated" and secret is None:
-            raise ValueError(
-                f"engine {name}: a {self.role} engine needs transfer_secret, the deployment's "
-                "secret its transfer links check (the service's Coordinator sets it)"
-            )
-        self._transfer_secret = secret or ""
-        self.receiver: TransferReceiver | None = None
-        self._senders: dict[tuple[str, int], tuple[TransferSender, ThreadPoolExecutor]] = {}
-        self._backend = create_backend(
-            engine_config.transfer_backend,
-            Pools.of(self.engine.caches),
-            engine_config.transfer_streams,
+        self.links = TransferLinks(
+            name,
+            self.engine,
+            engine_config,
+            self.lock,
+            host=transfer_host,
+            timeout=transfer_timeout,
+            deadline=transfer_deadline,
+            rank_shards=rank_shards,
         )
-        self.shards: EngineShards | None = None
-        if self.role != "colocated":
-            # Rank 0's own shard links, then the other ranks'.
-            local = RankShards(
-                receiver=ShardReceiver(
-                    self.engine.layout,
-                    self._backend,
-                    secret=self._transfer_secret,
-                    host=transfer_host,
-                    timeout=transfer_timeout,
-                    deadline=transfer_deadline,
-                )
-                if self.role == "decode"
-                else None,
-                sender=ShardSender(
-                    self.engine.layout,
-                    self._backend,
-                    secret=self._transfer_secret,
-                    timeout=transfer_timeout,
-                    deadline=transfer_deadline,
-                )
-                if self.role == "prefill"
-                else None,
-            )
-            self._local_shards = local
-            others = rank_shards(self.engine) if rank_shards is not None else []
-            self.shards = EngineShards([local, *others])
-        if self.role == "decode":
-            # NOTE: a receive that fails under policy `fail` ends the request inside the
-            # engine, which reports it on its next step: it reaches the stream from there.
-            self.receiver = TransferReceiver(
-                self.engine,
-                self.engine.layout,
-                self._backend,
-                secret=self._transfer_secret,
-                lock=self.lock,
-                host=transfer_host,
-                timeout=transfer_timeout,
-                deadline=transfer_deadline,
-                shards=self.shards,
-            )
-        self.transfer_stats = {"bytes": 0}
         self.transfer_failures: dict[str, int] = {}
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
         # The stepping loop's heartbeat: the time it last came round (health() reads it).
         self.last_beat = time.monotonic()
-        self._sends_in_flight = 0
         self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
         self._last_audit = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"{name}-step", daemon=True)
@@ -179,7 +123,7 @@ class EngineWorker:
     @property
     def address(self) -> tuple[str, int] | None:
         """Where prefill engines send transfers (decode role)."""
-        return self.receiver.address if self.receiver is not None else None
+        return self.links.address
 
     def describe(self) -> dict[str, Any]:
         config = self.engine.model_config
@@ -227,25 +171,19 @@ class EngineWorker:
                 "snapshot_hits": cache.stats.hits,
                 "snapshot_misses": cache.stats.misses,
                 "reused_tokens": cache.stats.reused_tokens,
-                "transfer_bytes": self.transfer_stats["bytes"],
+                "transfer_bytes": self.links.bytes_sent,
                 "transfer_failures": dict(self.transfer_failures),
-                "transfer_links_refused": dict(self.receiver.refused_links)
-                if self.receiver is not None
-                else {},
+                "transfer_links_refused": self.links.refused_links,
                 "num_free_blocks": cache.num_free_blocks,
                 "num_free_slots": cache.num_free_slots,
                 # Held by requests, hand-offs, receives or quarantine (blocks cached in the
                 # prefix tree and free to reuse are not): all 0 on an idle engine.
                 "kv_blocks_in_use": used,
                 "mamba_slots_in_use": cache.mamba.num_live_slots - cache.num_free_slots,
-                "transfers_in_flight": self._sends_in_flight + self._num_receiving(),
+                "transfers_in_flight": self.links.num_sending + self.links.num_receiving,
                 "handoffs_held": len(handoffs.pending) if handoffs is not None else 0,
                 "integrity_failures": self.integrity_failures,
             }
-
-    def _num_receiving(self) -> int:
-        receives = self.engine.receives
-        return len(receives.receiving) if receives is not None else 0
 
     def check_integrity(self) -> dict[str, Any]:
         """Recount the pools; the free counts once no request runs (for tests and probes)."""
@@ -386,14 +324,7 @@ class EngineWorker:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        if self.receiver is not None:
-            self.receiver.close()
-        for sender, executor in self._senders.values():
-            executor.shutdown(wait=True)
-            sender.close_link()
-        if self.shards is not None:
-            self._local_shards.close()
-        self._backend.close()
+        self.links.close()
         self.engine.shutdown()  # a tensor-parallel engine's other ranks
 
     # ---- internals ------------------------------------------------------------------------
@@ -537,42 +468,14 @@ class EngineWorker:
             with self.lock:
                 self.engine.release_handoff(request_id, "no destination")
             return
-        sender, executor = self._sender(stream.decode_address)
-        self._sends_in_flight += 1
-        future = executor.submit(sender.send, request_id, handoff.message)
-        future.add_done_callback(lambda f: self._shipped(stream, self._outcome(request_id, f)))
-
-    def _outcome(self, request_id: str, future: Future[SendOutcome]) -> SendOutcome:
-        """A send's outcome; one that raised (it should not) still resolves the request:
-        failed, its hand-off released, so the decode side recovers and nothing stays held."""
-        exc = future.exception()
-        if exc is None:
-            return future.result()
-        logger.error("request %s: the transfer send raised", request_id, exc_info=exc)
-        with self.lock:
-            self.engine.release_handoff(request_id, f"send raised: {exc!r}")
-        return SendOutcome(request_id, "failed", f"the send raised {exc!r}")
-
-    def _sender(self, address: tuple[str, int]) -> tuple[TransferSender, ThreadPoolExecutor]:
-        if address not in self._senders:
-            sender = TransferSender(
-                self.engine,
-                self.engine.layout,
-                self._backend,
-                address,
-                secret=self._transfer_secret,
-                lock=self.lock,
-                timeout=self._transfer_timeout,
-                deadline=self._transfer_deadline,
-                shards=self.shards,
-            )
-            executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-send")
-            self._senders[address] = (sender, executor)
-        return self._senders[address]
+        self.links.send(
+            request_id,
+            handoff.message,
+            stream.decode_address,
+            lambda outcome: self._shipped(stream, outcome),
+        )
 
     def _shipped(self, stream: _Stream, outcome: SendOutcome) -> None:
-        self._sends_in_flight -= 1
-        self.transfer_stats["bytes"] += outcome.bytes_sent
         status = "handed_off" if outcome.ok else "transfer_failed"
         if not outcome.ok:
             self._count_failure(outcome.status)  # TransferSender has logged it

@@ -119,7 +119,7 @@ def _resume_steps(actor: Any) -> None:
 def _hold_receives(actor: Any) -> None:
     """Incoming transfers wait (after their request arrived, before anything is reserved)
     until `_resume_receives`; `_receives_done` counts those handled since."""
-    receiver = actor.worker.receiver
+    receiver = actor.worker.links.receiver
     gate = actor.receive_gate = threading.Event()
     actor.receives_done = 0
     real = type(receiver)._receive
@@ -135,7 +135,7 @@ def _hold_receives(actor: Any) -> None:
 
 
 def _resume_receives(actor: Any) -> None:
-    vars(actor.worker.receiver).pop("_receive", None)
+    vars(actor.worker.links.receiver).pop("_receive", None)
     actor.receive_gate.set()
 
 

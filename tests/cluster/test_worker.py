@@ -144,7 +144,7 @@ def test_prefill_hands_over_to_decode_with_the_same_tokens(pair):
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
         events = orchestrate({"prefill": prefill, "decode": decode}, request(**sampling))
         assert tokens_of(events) == offline(**sampling)
-    assert prefill.transfer_stats["bytes"] > 0
+    assert prefill.links.bytes_sent > 0
     assert_idle_at_baseline(prefill, decode)
 
 
@@ -231,3 +231,9 @@ def test_drain_cuts_off_running_requests_with_an_error_and_refuses_new_ones():
         assert_idle_at_baseline(colocated)
     finally:
         colocated.shutdown()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_disaggregated_worker_without_the_deployment_secret_refuses_to_start(role):
+    with pytest.raises(ValueError, match=f"a {role} engine needs transfer_secret"):
+        EngineWorker(role, EngineConfig(**ENGINE, role=role))
