@@ -49,26 +49,36 @@ def prompts(count: int, length: int, output: int, seed: int) -> list[Prompt]:
     ]
 
 
+class TokenClock:
+    """When one request's tokens arrive: the time to the first, then the gaps between."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.gaps: list[float] = []
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now - self.start
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
 def offline(folder: Path, latency: list[Prompt], batch: list[Prompt]) -> dict[str, float]:
     with LLM(str(folder), **ENGINE) as llm:
         engine = llm.engine
         ttfts, itls = [], []
         for prompt in [latency[0], *latency]:  # the first warms up
             params = SamplingParams(max_tokens=prompt.output_len, temperature=0.0, ignore_eos=True)
-            start = last = time.perf_counter()
+            clock = TokenClock()
             engine.add_request(prompt.token_ids, params)
-            first = None
-            gaps = []
             while engine.has_unfinished_requests():
                 for _ in engine.step():
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now - start
-                    else:
-                        gaps.append(now - last)
-                    last = now
-            ttfts.append(first)
-            itls.extend(gaps)
+                    clock.tick()
+            ttfts.append(clock.first)
+            itls.extend(clock.gaps)
         ttfts, itls = ttfts[1:], itls[LATENCY_OUTPUT - 1 :]
         start = time.perf_counter()
         outputs = llm.generate(
@@ -88,8 +98,7 @@ def offline(folder: Path, latency: list[Prompt], batch: list[Prompt]) -> dict[st
 async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[float]]:
     """One streamed completion: (time to first token, inter-token gaps), in seconds. The
     checkpoint has no tokenizer: chunks are counted by their token ids."""
-    start = last = time.perf_counter()
-    first, gaps, received = None, [], 0
+    clock, received = TokenClock(), 0
     chunks = await client.completions.create(
         model=model,
         prompt=prompt.token_ids,
@@ -102,15 +111,13 @@ async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[f
         token_ids = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else None
         if not token_ids:
             continue
-        now = time.perf_counter()
-        if first is None:
-            first = now - start
-        else:
-            gaps.append(now - last)
-        last = now
+        clock.tick()
         received += len(token_ids)
-    assert first is not None and received == prompt.output_len, (received, prompt.output_len)
-    return first, gaps
+    assert clock.first is not None and received == prompt.output_len, (
+        received,
+        prompt.output_len,
+    )
+    return clock.first, clock.gaps
 
 
 def served(
