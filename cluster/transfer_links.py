@@ -71,24 +71,12 @@ class TransferLinks:
         if self.role == "colocated":
             return
         # Rank 0's own shard links, then the other ranks'.
+        link = {"secret": self._secret, "timeout": timeout, "deadline": deadline}
         self._local_shards = RankShards(
-            receiver=ShardReceiver(
-                engine.layout,
-                self._backend,
-                secret=self._secret,
-                host=host,
-                timeout=timeout,
-                deadline=deadline,
-            )
+            receiver=ShardReceiver(engine.layout, self._backend, host=host, **link)
             if self.role == "decode"
             else None,
-            sender=ShardSender(
-                engine.layout,
-                self._backend,
-                secret=self._secret,
-                timeout=timeout,
-                deadline=deadline,
-            )
+            sender=ShardSender(engine.layout, self._backend, **link)
             if self.role == "prefill"
             else None,
         )
