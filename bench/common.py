@@ -101,10 +101,16 @@ def make_workload(
     return Workload(concurrency, prompts, output_lens.tolist())
 
 
-def run_ours(folder: Path, workload: Workload) -> float:
+def run_ours(folder: Path, workload: Workload, compile_decode: bool = False) -> float:
     """Seconds our engine takes for the workload (continuous batching, at most
-    `concurrency` running), after a one-request warm-up."""
-    llm = LLM(str(folder), max_num_seqs=workload.concurrency, max_num_batched_tokens=2048)
+    `concurrency` running), after a one-request warm-up (and, with `compile_decode`, after
+    the engine compiled its decode step at start)."""
+    llm = LLM(
+        str(folder),
+        max_num_seqs=workload.concurrency,
+        max_num_batched_tokens=2048,
+        compile_decode=compile_decode,
+    )
     warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
     llm.generate(workload.prompts[:1], warmup, use_tqdm=False)
     params = [

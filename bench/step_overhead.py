@@ -1,7 +1,8 @@
 """What a step costs outside the model runner: the scheduler and the cache managers, at 1, 32
 and 256 running requests.
 
-    python bench/step_overhead.py [--quick] [--running 1 32 256] [--output ...]
+    python bench/step_overhead.py [--quick] [--running 1 32 256] [--modes eager compiled]
+                                  [--output ...]
 
 One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small
 one) with prefix caching and Mamba snapshots on, as served. N requests with 64-token prompts
@@ -10,7 +11,8 @@ decides, the cache coordinator allocates and logs its ops), `execute` (the model
 ops, forward, sampling), `update` (tokens appended, commits and stop checks) and the rest of
 `Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
-through every weight matrix, measured in the same run (bench/common.gemm_floor_ms).
+through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
+mode is one engine: `eager`, and `compiled` (the compiled decode step, `compile_decode`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
     other = statistics.median(rest) * 1e3
     floor = gemm_floor_ms(llm, num_running)
     return {
+        "mode": "compiled" if llm.engine.config.compile_decode else "eager",
         "running": num_running,
         "steps": steps,
         "step_ms": ms["step"],
@@ -105,29 +108,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
     parser.add_argument("--running", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument(
+        "--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"]
+    )
     parser.add_argument("--output", default="bench/results/step_overhead.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_checkpoint(folder, quick=args.quick)
         most = max(args.running)
-        with LLM(
-            str(folder),
-            max_num_seqs=most,
-            max_num_batched_tokens=max(2048, most),
-            max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-            num_kv_blocks=most * 8 + 64,
-        ) as llm:
-            vocab = llm.engine.model_config.vocab_size
-            measure(llm, min(4, most), vocab)  # warm-up
-            results = [measure(llm, n, vocab) for n in args.running]
+        results = []
+        for mode in args.modes:
+            with LLM(
+                str(folder),
+                max_num_seqs=most,
+                max_num_batched_tokens=max(2048, most),
+                max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+                num_kv_blocks=most * 8 + 64,
+                compile_decode=mode == "compiled",
+            ) as llm:
+                vocab = llm.engine.model_config.vocab_size
+                measure(llm, min(4, most), vocab)  # warm-up
+                results += [measure(llm, n, vocab) for n in args.running]
     print(
-        f"{'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
+        f"{'mode':>8} {'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
         f"{'other':>8} {'outside':>8} {'GEMM floor':>11} {'step/floor':>10}"
     )
     for r in results:
         print(
-            f"{r['running']:>8} {r['step_ms']:>7.2f}ms {r['execute_ms']:>7.2f}ms "
+            f"{r['mode']:>8} {r['running']:>8} {r['step_ms']:>7.2f}ms {r['execute_ms']:>7.2f}ms "
             f"{r['schedule_ms']:>7.3f}ms {r['update_ms']:>7.3f}ms {r['other_ms']:>6.3f}ms "
             f"{r['outside_share']:>7.1%} {r['gemm_floor_ms']:>9.2f}ms "
             f"{r['step_over_floor']:>9.2f}x"

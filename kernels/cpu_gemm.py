@@ -8,6 +8,8 @@ and may add a packed copy, and `linear` picks per call.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,9 @@ import torch.nn.functional as F
 SMALL_BATCH = 64
 # The batch size oneDNN tunes the packed layout for: a typical decode batch.
 _PACK_BATCH_HINT = 32
+# Packed weights by their plain weight's data pointer, for `packed_linear`; the layer that
+# packed a weight owns both.
+_packed_by_address: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -42,3 +47,25 @@ def linear(
     if packed is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def register_packed(weight: torch.Tensor, packed: torch.Tensor) -> None:
+    """Let `packed_linear(x, weight, ...)` find `packed` while its owner keeps it alive."""
+    _packed_by_address[weight.data_ptr()] = packed
+
+
+@torch.library.custom_op("hybridserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` with `weight`'s registered packed copy, as one opaque operator: the compiled
+    decode step calls the GEMM through it, because torch.compile cannot trace oneDNN's packed
+    tensors (and its own packing, under `freezing`, picks MKL's slower GEMM and keeps a third
+    copy of every weight). The copy is found by the weight's address, not passed as a
+    constant, so every engine of one model compiles the same graph (inductor's cache hits)."""
+    return linear(x, weight, bias, _packed_by_address.get(weight.data_ptr()))
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -4,7 +4,8 @@ Per call, from the first tensor argument:
 - `HYBRIDSERVE_KERNEL_BACKEND=triton|reference` forces one backend (with `TRITON_INTERPRET=1`
   Triton also runs on the CPU, which is how its tests run without a GPU);
 - otherwise Triton for CUDA tensors and the reference (the CPU path) for everything else.
-Each backend is logged once, the first time it serves a kernel.
+Each backend is logged once, the first time it serves a kernel. Under `torch.compile` (the
+compiled decode step) the reference is traced: the compiler generates the kernel from it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def dispatched(name: str) -> Callable[..., Any]:
 
     @functools.wraps(reference_fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return reference_fn(*args, **kwargs)
         backend = kernel_backend(args[0])
         if backend not in _logged:
             _logged.add(backend)

@@ -18,6 +18,12 @@ class EngineConfig(BaseModel):
     dtype: DType = Field("float32", description="weights and activations")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present")
     seed: int = Field(0, description="default sampling seed for requests without their own")
+    compile_decode: bool = Field(
+        False,
+        description="run decode-only steps through torch.compile (fused kernels, one call per "
+        "step); compiles at engine start, about a minute the first time on a small CPU, "
+        "seconds once inductor's cache holds it; tensor_parallel_size 1",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest prompt + output; default: the model's, at most 8192"
     )
@@ -168,6 +174,11 @@ class EngineConfig(BaseModel):
 
     def _check_parallelism(self) -> None:
         tp = self.tensor_parallel_size
+        if tp > 1 and self.compile_decode:
+            raise ValueError(
+                f"compile_decode runs at tensor_parallel_size 1, not {tp}: the compiled step "
+                "has no collectives; turn compile_decode off"
+            )
         if tp > 1 and self.executor_backend == "uni":
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="

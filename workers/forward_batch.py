@@ -38,6 +38,28 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
+@dataclass(frozen=True)
+class KVLayer:
+    """One attention layer's K and V caches: per-layer views for the kernels, and the pool and
+    layer index for code that must not write through a view (the compiled decode step)."""
+
+    key: torch.Tensor  # (num_blocks, kv_heads, block_size, head_dim), a strided view
+    value: torch.Tensor
+    pool: torch.Tensor  # StateCaches.kv
+    layer: int
+
+
+@dataclass(frozen=True)
+class MambaLayer:
+    """One Mamba layer's conv and SSM states, as views and as (pool, layer)."""
+
+    conv: torch.Tensor  # (num_slots, conv_dim, conv_kernel - 1), a strided view
+    ssm: torch.Tensor  # (num_slots, heads, head_dim, state_size), a strided view
+    conv_pool: torch.Tensor  # StateCaches.conv
+    ssm_pool: torch.Tensor  # StateCaches.ssm
+    layer: int
+
+
 @dataclass
 class StateCaches:
     """Device memory for attention KV blocks and Mamba slots, block- and slot-major.
@@ -50,10 +72,10 @@ class StateCaches:
     conv: torch.Tensor | None  # (num_slots, num_mamba_layers, conv_dim, conv_kernel - 1)
     ssm: torch.Tensor | None  # (num_slots, num_mamba_layers, heads, head_dim, state_size)
 
-    def kv_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_layer(self, index: int) -> KVLayer:
         assert self.kv is not None
-        return self.kv[:, index, 0], self.kv[:, index, 1]
+        return KVLayer(self.kv[:, index, 0], self.kv[:, index, 1], self.kv, index)
 
-    def mamba_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def mamba_layer(self, index: int) -> MambaLayer:
         assert self.conv is not None and self.ssm is not None
-        return self.conv[:, index], self.ssm[:, index]
+        return MambaLayer(self.conv[:, index], self.ssm[:, index], self.conv, self.ssm, index)

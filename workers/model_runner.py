@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.workers.cache_memory import CacheMemory
+from hybridserve.workers.compiled_decode import CompiledDecode
 from hybridserve.workers.config import EngineConfig
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
@@ -86,6 +87,7 @@ class ModelRunner:
         self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, parallel=parallel)
         self.model.eval()
         self.model.pack_for_cpu()
+        self.compiled_decode = CompiledDecode(self.model) if config.compile_decode else None
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.caches = StateCaches(None, None, None)
@@ -159,6 +161,8 @@ class ModelRunner:
             )
         self.caches = StateCaches(kv=kv, conv=conv, ssm=ssm)
         self.memory = CacheMemory(self.caches, self.config.host_cache_bytes, host_counts)
+        if self.compiled_decode is not None:
+            self.compiled_decode.warm_up(self.caches, max_rows=self.config.max_num_seqs)
         logger.info(
             "rank %d caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
             self.parallel.tp_rank,
@@ -186,7 +190,9 @@ class ModelRunner:
         )
         items = [chunks[i] for i in order]
         batch, row_ranges = self._build_batch(items)
-        hidden = self.model(batch, self.caches)
+        decode_only = batch.num_decode == batch.num_tokens
+        forward = self.compiled_decode if decode_only and self.compiled_decode else self.model
+        hidden = forward(batch, self.caches)
         if batch.logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
             return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
@@ -253,7 +259,9 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
             row_ranges.append((first_row, len(logits_indices) - 1))
 
-        width = max(len(t) for t in tables)
+        # Two columns at least: the compiled decode step's graph takes any width but 1 (the
+        # compiler specialises a size of 1); past a row's last block, columns are ignored.
+        width = max(2, *(len(t) for t in tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 def test_quick_run_splits_each_step_into_its_parts(run_bench):
-    result = run_bench("step_overhead.py", "--quick", "--running", "1", "4")
-    assert [r["running"] for r in result["results"]] == [1, 4]
+    result = run_bench("step_overhead.py", "--quick", "--running", "1", "4", "--modes", "eager")
+    assert [(r["mode"], r["running"]) for r in result["results"]] == [("eager", 1), ("eager", 4)]
     for r in result["results"]:
         assert r["steps"] > 0
         assert r["step_ms"] > r["execute_ms"] > 0

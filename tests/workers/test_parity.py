@@ -67,6 +67,31 @@ def test_chunked_prefill_and_block_sizes_match_transformers(
     assert_pools_at_baseline(llm.engine)
 
 
+def test_compiled_decode_matches_transformers(reference, caplog):
+    """Decode steps through torch.compile: the graph for one row and the dynamic one (eight
+    rows, then rows finishing at different lengths), block tables from 1 to 21 blocks."""
+    _, folder, prompts, hf_tokens, _ = reference
+    llm = LLM(str(folder), compile_decode=True, block_size=16)
+    compiled = llm.engine.executor.driver.compiled_decode
+    assert compiled.enabled, caplog.text
+    caches = llm.engine.executor.driver.caches
+    assert all(not pool.any() for pool in (caches.kv, caches.conv, caches.ssm)), "warm-up left"
+
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == hf_tokens
+    alone = llm.generate([prompts[3]], GREEDY)[0]
+    assert alone.token_ids == hf_tokens[3]
+    uneven = [
+        SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate(prompts, uneven)
+    assert [o.token_ids for o in outputs] == [t[: 4 + 4 * i] for i, t in enumerate(hf_tokens)]
+    # Every decode-only step ran compiled (31 + 31 + 31 steps at least).
+    assert compiled.enabled and compiled.num_compiled_steps >= 3 * (NEW_TOKENS - 1)
+    assert_pools_at_baseline(llm.engine)
+
+
 def test_requests_together_equal_each_alone(reference):
     """16 requests of different lengths in one engine (decodes mixed with prefill chunks)
     produce what each produces on its own."""

@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import paged_attention_decode, paged_attention_prefill, store_kv
-from hybridserve.workers.forward_batch import ForwardBatch
+from hybridserve.kernels import (
+    attention_decode_pooled,
+    paged_attention_decode,
+    paged_attention_prefill,
+    store_kv,
+    store_kv_pooled,
+)
+from hybridserve.workers.forward_batch import ForwardBatch, KVLayer
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -52,16 +58,26 @@ class Attention(nn.Module):
             RotaryEmbedding(spec.rope, max_positions, device) if spec.rope is not None else None
         )
 
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVLayer) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rope is not None:
             q, k = self.rope(batch.positions, q, k)
-        key_cache, value_cache = kv_cache
+        if torch.compiler.is_compiling():
+            # The compiled decode step (decode rows only) writes and reads the pool itself.
+            store_kv_pooled(k, v, kv_cache.pool, kv_cache.layer, batch.slot_mapping)
+            out = attention_decode_pooled(
+                q,
+                kv_cache.pool,
+                kv_cache.layer,
+                block_tables=batch.block_tables,
+                seq_lens=batch.seq_lens,
+                scale=self.scale,
+            )
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        key_cache, value_cache = kv_cache.key, kv_cache.value
         store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
 
         nd = batch.num_decode

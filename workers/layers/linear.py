@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
+from hybridserve.kernels.cpu_gemm import (
+    can_pack,
+    linear,
+    pack_weight,
+    packed_linear,
+    register_packed,
+)
 from hybridserve.workers.parallel import ParallelContext
 
 Ranges = tuple[tuple[int, int], ...]
@@ -64,14 +70,20 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    # `packed is not None`, as a flag the compiler reads (it cannot look at an opaque tensor).
+    is_packed: bool = False
 
     def pack_for_cpu(self) -> None:
         """Call once the weights are final (after loading); a no-op where packing does not
         apply (GPU, non-float32)."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight)
+            self.is_packed = True
+            register_packed(self.weight, self.packed)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.is_packed and torch.compiler.is_compiling():
+            return packed_linear(x, self.weight, bias)
         return linear(x, self.weight, bias, self.packed)
 
 

@@ -20,11 +20,13 @@ from torch import nn
 from hybridserve.kernels import (
     causal_conv1d,
     causal_conv1d_update,
+    conv_update_pooled,
     gated_rms_norm,
     mamba_chunk_scan,
     selective_state_update,
+    state_update_pooled,
 )
-from hybridserve.workers.forward_batch import ForwardBatch
+from hybridserve.workers.forward_batch import ForwardBatch, MambaLayer
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -104,11 +106,9 @@ class MambaMixer(nn.Module):
             inner, hidden_size, spec.proj_bias, parallel, dtype, device, name="mamba out_proj"
         )
 
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, state: MambaLayer) -> torch.Tensor:
         spec = self.spec
-        conv_states, ssm_states = state
+        conv_states, ssm_states = state.conv, state.ssm
         num_tokens = hidden.shape[0]
         heads, head_dim, groups, dstate = (
             self.num_heads,
@@ -133,26 +133,40 @@ class MambaMixer(nn.Module):
         outputs = []
         if nd:
             slots = batch.mamba_slots[:nd]
-            conv_out = causal_conv1d_update(
-                xbc[:nd],
-                conv_weight,
-                self.conv_bias,
-                conv_states=conv_states,
-                state_slots=slots,
-                activation=spec.activation,
-            )
-            x, B, C = conv_out.split(split, dim=-1)
-            outputs.append(
-                selective_state_update(
-                    ssm_states,
-                    x.view(nd, heads, head_dim),
-                    dt[:nd],
-                    A,
-                    B.view(nd, groups, dstate),
-                    C.view(nd, groups, dstate),
+            # Traced by the compiled decode step: kernels that write the pools, not views.
+            if torch.compiler.is_compiling():
+                conv_out = conv_update_pooled(
+                    xbc[:nd],
+                    conv_weight,
+                    self.conv_bias,
+                    conv_pool=state.conv_pool,
+                    layer=state.layer,
                     state_slots=slots,
-                    **scan_args,
+                    activation=spec.activation,
                 )
+            else:
+                conv_out = causal_conv1d_update(
+                    xbc[:nd],
+                    conv_weight,
+                    self.conv_bias,
+                    conv_states=conv_states,
+                    state_slots=slots,
+                    activation=spec.activation,
+                )
+            x, B, C = conv_out.split(split, dim=-1)
+            step_args = (
+                x.view(nd, heads, head_dim),
+                dt[:nd],
+                A,
+                B.view(nd, groups, dstate),
+                C.view(nd, groups, dstate),
+            )
+            outputs.append(
+                state_update_pooled(
+                    state.ssm_pool, state.layer, *step_args, state_slots=slots, **scan_args
+                )
+                if torch.compiler.is_compiling()
+                else selective_state_update(ssm_states, *step_args, state_slots=slots, **scan_args)
             )
         if num_tokens > nd:
             slots = batch.mamba_slots[nd:]

@@ -1,0 +1,42 @@
+"""The compiled decode step around the compiler: its failure leaves the engine eager and
+exact, and configurations it cannot serve are refused. (Its outputs against transformers:
+tests/workers/test_parity.py::test_compiled_decode_matches_transformers.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hybridserve.workers import LLM, EngineConfig, SamplingParams
+from hybridserve.workers import compiled_decode as compiled_decode_module
+from tests.helpers import assert_pools_at_baseline, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_a_compiler_failure_leaves_every_step_eager_and_exact(monkeypatch, caplog):
+    prompts = random_prompts([3, 17, 40], seed=3)
+    expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
+
+    def no_compiler(*args, **kwargs):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+
+        return compiled
+
+    monkeypatch.setattr(compiled_decode_module.torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=compiled_decode_module.__name__):
+        llm = LLM("tiny", compile_decode=True)
+    assert "compiling failed, decode runs eagerly (no C++ compiler found)" in caplog.text
+    compiled = llm.engine.executor.driver.compiled_decode
+    assert not compiled.enabled
+
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert compiled.num_compiled_steps == 0
+    assert_pools_at_baseline(llm.engine)
+
+
+def test_compile_decode_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="compile_decode runs at tensor_parallel_size 1, not 2"):
+        EngineConfig(compile_decode=True, tensor_parallel_size=2)
