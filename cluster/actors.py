@@ -15,6 +15,7 @@ import ray
 from hybridserve.cluster.messages import GenerateRequest
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
+from hybridserve.cluster.token_feed import TokenOutbox
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class EngineActor:
             )
         self.router = router
         self.incarnation = incarnation
+        self._outboxes: dict[str, TokenOutbox] = {}
         self._num_batches = 0  # cache event batches sent to the router (flushes are serial)
         sink = None
         if router is not None:
@@ -215,9 +217,29 @@ class EngineActor:
                 raise TimeoutError(f"engine {name}: the router did not apply its cache events")
             await asyncio.sleep(0.01)
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async for event in self.worker.generate(GenerateRequest.from_dict(request)):
-            yield event.to_dict()
+    async def subscribe(self, subscriber: str) -> AsyncIterator[dict[str, Any]]:
+        """The token events of every request `subscriber` (an ingress replica) runs or
+        follows here, one TokenBatch per step (cluster/token_feed.py); when the stream
+        ends, whatever the subscriber left running here is aborted."""
+        if subscriber in self._outboxes:
+            raise ValueError(f"{subscriber!r} is already subscribed to {self.worker.name}")
+        outbox = self._outboxes[subscriber] = TokenOutbox(self.worker)
+        try:
+            async for batch in outbox.batches():
+                yield batch.to_dict()
+        finally:
+            del self._outboxes[subscriber]
+            outbox.close()
+
+    def _outbox(self, subscriber: str) -> TokenOutbox:
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None:
+            raise ValueError(f"{subscriber!r} is not subscribed to {self.worker.name}")
+        return outbox
+
+    async def generate(self, request: dict[str, Any], subscriber: str) -> None:
+        """Run a whole request here; its events go to `subscriber`'s stream."""
+        self._outbox(subscriber).submit(GenerateRequest.from_dict(request))
 
     async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
         return list(await self.worker.expect(request_id, num_choices))
@@ -230,9 +252,9 @@ class EngineActor:
     async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
         await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)
 
-    async def follow(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
-        async for event in self.worker.follow(request_id):
-            yield event.to_dict()
+    async def follow(self, request_id: str, subscriber: str) -> None:
+        """Stream an expected request's events to `subscriber`."""
+        self._outbox(subscriber).attach(request_id)
 
     async def release(self, request_id: str) -> None:
         await self.worker.release(request_id)

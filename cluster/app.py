@@ -48,6 +48,7 @@ from hybridserve.cluster.openai_responses import (
 )
 from hybridserve.cluster.orchestrator import Orchestrator, StaleTopology
 from hybridserve.cluster.router import RouteRefused
+from hybridserve.cluster.token_feed import EngineFeed
 from hybridserve.workers.models.loader import load_tokenizer
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.structured_output import GrammarCompiler
@@ -81,6 +82,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(self.config.model)  # not the weights
         self._grammars: GrammarCompiler | None = None
         self._topology: dict[str, Any] | None = None
+        self._feeds: dict[tuple[str, int], EngineFeed] = {}
         self.metrics: ServiceMetrics | None = None
 
     @property
@@ -249,8 +251,11 @@ class OpenAIIngress:
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
-        engines = {name: RayEngine(name, h) for name, h in topology["engines"].items()}
         incarnations = topology["incarnations"]
+        engines = {
+            name: RayEngine(name, handle, self._feed(name, incarnations[name], handle))
+            for name, handle in topology["engines"].items()
+        }
 
         async def engine_died(name: str) -> None:
             # The incarnation this request used: a report about an engine that has been
@@ -263,6 +268,15 @@ class OpenAIIngress:
         )
         async for event in orchestrator.run(request):
             yield event
+
+    def _feed(self, name: str, incarnation: int, handle: Any) -> EngineFeed:
+        """This replica's token stream from that engine incarnation (one for all requests)."""
+        feed = self._feeds.get((name, incarnation))
+        if feed is None or feed.dead:
+            for key in [k for k, f in self._feeds.items() if k[0] == name and f is not feed]:
+                del self._feeds[key]  # an engine's earlier incarnations are gone
+            feed = self._feeds[(name, incarnation)] = EngineFeed(name, handle)
+        return feed
 
     @staticmethod
     async def _admitted(events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

@@ -1,6 +1,7 @@
 """The orchestrator's clients over Ray actor handles: `RayEngine` (an EngineActor) and
 `RayRouter` (the RouterActor). Only plain dicts cross the actor calls (cluster/messages.py).
-A call or stream that fails because the actor is gone raises EngineDied with its name.
+A call or stream that fails because the actor is gone raises EngineDied with its name. A
+request's tokens arrive on the replica's one stream from that engine (cluster/token_feed.py).
 
 Every awaited call is shielded: when a request's coroutine is cancelled (its client went
 away), the actor call it awaited is not cancelled half-way by asyncio, so its effect is known
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied
+from hybridserve.cluster.token_feed import EngineFeed
 
 
 def _call_detached(method: Any, *args: Any) -> None:
@@ -33,9 +35,13 @@ def _call_detached(method: Any, *args: Any) -> None:
 
 
 class RayEngine:
-    def __init__(self, name: str, handle: Any) -> None:
+    """`feed`: this replica's token stream from the engine (one per engine, shared by every
+    request that runs there)."""
+
+    def __init__(self, name: str, handle: Any, feed: EngineFeed) -> None:
         self.name = name
         self.handle = handle
+        self.feed = feed
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -43,20 +49,20 @@ class RayEngine:
         except RayActorError as exc:
             raise EngineDied(self.name) from exc
 
-    async def _stream(self, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
-        stream = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+    async def _stream(self, request_id: str, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
+        """Ask the engine to send `request_id`'s events to this replica's feed, then yield
+        them."""
+        queue = await self.feed.open(request_id)
         try:
-            while True:
-                try:
-                    ref = await asyncio.shield(anext(stream))
-                except StopAsyncIteration:
-                    return
-                yield TokenEvent.from_dict(await asyncio.shield(ref))
-        except RayActorError as exc:
-            raise EngineDied(self.name) from exc
+            await self._call(method, *args, self.feed.subscriber)
+        except BaseException:
+            self.feed.close(request_id)
+            raise
+        async for event in self.feed.events(request_id, queue):
+            yield event
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        return self._stream("generate", request.to_dict())
+        return self._stream(request.request_id, "generate", request.to_dict())
 
     async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
         host, port = await self._call("expect", request_id, num_choices)
@@ -71,7 +77,7 @@ class RayEngine:
         await self._call("recover", request.to_dict(), delivered, reason)
 
     def follow(self, request_id: str) -> AsyncIterator[TokenEvent]:
-        return self._stream("follow", request_id)
+        return self._stream(request_id, "follow", request_id)
 
     async def release(self, request_id: str) -> None:
         await self._call("release", request_id)

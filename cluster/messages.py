@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 from hybridserve.workers.sampling_params import SamplingParams
 
 # 2: TokenEvent carries the choice index, logprobs, prompt logprobs and the stream's end.
-MESSAGES_VERSION = 2
+# 3: token events travel in TokenBatches, one per engine step and subscriber.
+MESSAGES_VERSION = 3
 
 M = TypeVar("M", bound="_Message")
 
@@ -115,4 +116,23 @@ class PrefillResult(_Message):
     def from_dict(cls, data: Any) -> PrefillResult:
         if isinstance(data, dict) and isinstance(data.get("first"), dict):
             data = data | {"first": TokenEvent.from_dict(data["first"])}
+        return super().from_dict(data)
+
+
+@dataclass(frozen=True)
+class TokenBatch(_Message):
+    """The token events one engine produced in one step for the requests of one subscriber
+    (an ingress replica): one message per step, not one per request and token."""
+
+    events: list[TokenEvent]
+    kind: ClassVar[str] = "token_batch"
+
+    def to_dict(self) -> dict[str, Any]:
+        events = [event.to_dict() for event in self.events]
+        return {"v": MESSAGES_VERSION, "kind": self.kind, "events": events}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TokenBatch:
+        if isinstance(data, dict) and isinstance(data.get("events"), list):
+            data = data | {"events": [TokenEvent.from_dict(e) for e in data["events"]]}
         return super().from_dict(data)

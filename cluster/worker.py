@@ -2,9 +2,9 @@
 
 A plain class (tested without Ray); `cluster/actors.py` wraps it in a Ray actor. Threads:
 
-    stepping thread   engine.step() under the lock, turns outputs into TokenEvents for the
-                      request streams, flushes cache events to the index, hands prefilled
-                      requests to the sender of their decode peer
+    stepping thread   builds the engine, then engine.step() under the lock, turns outputs
+                      into TokenEvents for the request streams, flushes cache events to the
+                      index, hands prefilled requests to the sender of their decode peer
     sender threads    (prefill) one per decode peer: TransferSender.send, blocking
     receiver thread   (decode) TransferReceiver: lands transfers, under the same lock
     event loop        the caller's asyncio loop: the request coroutines below
@@ -15,12 +15,16 @@ Roles: `prefill` computes a prompt and its first token and ships the request to 
 engine the caller named (`prefill`); `decode` opens the stream of a request it is about to
 receive (`expect`), streams it (`follow`), recovers it after a failed transfer (`recover`),
 or runs a whole request itself (`generate`: conditional disaggregation); `colocated` runs
-everything. cluster/orchestrator.py puts these steps together for one request.
+everything. cluster/orchestrator.py puts these steps together for one request. `submit` and
+`attach` are `generate` and `follow` for a caller that takes the events itself (the engine
+actor's per-subscriber outbox, cluster/token_feed.py): a step's events reach it in one
+callback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
+# Takes a request's token events on the caller's loop (a subscriber's outbox).
+EventSinkFn = Callable[[TokenEvent], None]
 
 
 class EngineUnavailable(RuntimeError):
@@ -50,11 +56,13 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Where a request's events go: an asyncio queue on the caller's loop."""
+    """Where a request's events go, on the caller's loop: its `sink` once one is attached
+    (`submit`, `attach`), its queue until then."""
 
     loop: asyncio.AbstractEventLoop
     num_choices: int = 1
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    sink: EventSinkFn | None = None
     num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
     finished: set[int] = field(default_factory=set)  # choices that ended
     prefill_done: asyncio.Future[PrefillResult] | None = None
@@ -65,7 +73,14 @@ class _Stream:
     ended: bool = False
 
     def put(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.accept, event)
+
+    def accept(self, event: TokenEvent) -> None:
+        """On the loop."""
+        if self.sink is not None:
+            self.sink(event)
+        else:
+            self.queue.put_nowait(event)
 
     def end(self, request_id: str, reason: str, error: str | None = None) -> None:
         """A last event: the request ended (aborted, or failed) for every choice."""
@@ -88,34 +103,50 @@ class EngineWorker:
         """`rank_shards`: the shard links of the engine's other ranks (a tensor-parallel
         engine's rank actors), for transfers with engines of other TP layouts."""
         self.name = name
-        self.engine = Engine(engine_config)
         self.role = engine_config.role
         self.lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._event_sink = event_sink
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
-        self.engine.subscribe(self)
-        self.links = TransferLinks(
-            name,
-            self.engine,
-            engine_config,
-            self.lock,
-            host=transfer_host,
-            timeout=transfer_timeout,
-            deadline=transfer_deadline,
-            rank_shards=rank_shards,
-        )
         self.transfer_failures: dict[str, int] = {}
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._started = threading.Event()  # __init__ is done: the loop may step
         # The stepping loop's heartbeat: the time it last came round (health() reads it).
         self.last_beat = time.monotonic()
         self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
         self._last_audit = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-step", daemon=True)
+        # The engine is built on the thread that steps it. Each thread that runs a torch
+        # parallel region gets an OpenMP team of its own, and once a process has more
+        # OpenMP threads than CPUs, libgomp has idle team members sleep at once instead of
+        # spinning: every parallel region then waits for a wake-up. Building the model here
+        # and stepping it there gave two teams and a 1.6x slower decode step on 2 cores.
+        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine_config, built), name=f"{name}-step", daemon=True
+        )
         self._thread.start()
+        self.engine = built.result()
+        try:
+            self.engine.subscribe(self)
+            self.links = TransferLinks(
+                name,
+                self.engine,
+                engine_config,
+                self.lock,
+                host=transfer_host,
+                timeout=transfer_timeout,
+                deadline=transfer_deadline,
+                rank_shards=rank_shards,
+            )
+        except BaseException:
+            self._stop.set()
+            self._started.set()
+            self.engine.shutdown()
+            raise
+        self._started.set()
         logger.info("engine worker %s (%s) ready", name, self.role)
 
     # ---- facts ----------------------------------------------------------------------------
@@ -252,6 +283,30 @@ class EngineWorker:
         its prefill failed outright)."""
         self._close(request_id)
 
+    def submit(self, request: GenerateRequest, sink: EventSinkFn) -> None:
+        """`generate` for a caller that takes the events itself: they go to `sink` (on this
+        loop, all of a step's in one callback) until the caller closes the stream
+        (`close_stream`), which also aborts the request if it has not ended."""
+        self._open(request.request_id, request.params.n).sink = sink
+        try:
+            self._add(request)
+        except BaseException:
+            self._close(request.request_id)
+            raise
+
+    def attach(self, request_id: str, sink: EventSinkFn) -> None:
+        """`follow` for a caller that takes the events itself: what is queued already goes
+        to `sink` first."""
+        stream = self._expected_stream(request_id)
+        stream.sink = sink
+        while not stream.queue.empty():
+            sink(stream.queue.get_nowait())
+
+    def close_stream(self, request_id: str) -> None:
+        """The caller of `submit` or `attach` is done with the request: aborted here unless
+        it has ended."""
+        self._close(request_id)
+
     def _expected_stream(self, request_id: str) -> _Stream:
         stream = self._streams.get(request_id)
         if stream is None:
@@ -379,7 +434,13 @@ class EngineWorker:
             if events and self._event_sink is not None:
                 self._event_sink(self.name, [event_to_dict(e) for e in events])
 
-    def _run(self) -> None:
+    def _run(self, engine_config: EngineConfig, built: concurrent.futures.Future[Engine]) -> None:
+        try:
+            built.set_result(Engine(engine_config))
+        except BaseException as exc:  # the constructor re-raises it
+            built.set_exception(exc)
+            return
+        self._started.wait()
         while not self._stop.is_set():
             self.last_beat = time.monotonic()
             try:
@@ -391,8 +452,7 @@ class EngineWorker:
                 logger.exception("engine %s: step failed; failing its running requests", self.name)
                 self._fail_all("the engine step failed; see the engine log")
                 continue
-            for output in outputs:
-                self._deliver(output)
+            self._dispatch([d for output in outputs if (d := self._deliver(output)) is not None])
             for handoff in handoffs:
                 self._ship(handoff)
             self._flush_cache_events()
@@ -422,8 +482,18 @@ class EngineWorker:
                     held or "none",
                 )
 
-    def _deliver(self, output: RequestOutput) -> None:
-        """The new tokens of one choice, as an event on its request's stream."""
+    @staticmethod
+    def _dispatch(deliveries: list[tuple[_Stream, TokenEvent]]) -> None:
+        """A step's events, in one callback per event loop (one wake-up per step, and a
+        subscriber's outbox sends them as one batch)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, TokenEvent]]] = {}
+        for stream, event in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_accept_all, items)
+
+    def _deliver(self, output: RequestOutput) -> tuple[_Stream, TokenEvent] | None:
+        """The new tokens of one choice, as an event for its request's stream."""
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
@@ -432,7 +502,7 @@ class EngineWorker:
             if not output.finished:
                 with self.lock:
                     self.engine.abort(request_id)
-            return
+            return None
         index = output.index
         sent = stream.num_sent.get(index, 0)
         new = output.token_ids[sent:]
@@ -459,7 +529,7 @@ class EngineWorker:
         )
         stream.num_sent[index] = sent + len(new)
         stream.ended = event.finished
-        stream.put(event)
+        return stream, event
 
     def _ship(self, handoff: Handoff) -> None:
         request_id = handoff.request.request_id
@@ -503,3 +573,8 @@ class EngineWorker:
                 self.engine.abort(request_id)
             stream.end(request_id, "error", reason)
         return len(streams)
+
+
+def _accept_all(items: list[tuple[_Stream, TokenEvent]]) -> None:
+    for stream, event in items:
+        stream.accept(event)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -237,3 +238,11 @@ def test_drain_cuts_off_running_requests_with_an_error_and_refuses_new_ones():
 def test_a_disaggregated_worker_without_the_deployment_secret_refuses_to_start(role):
     with pytest.raises(ValueError, match=f"a {role} engine needs transfer_secret"):
         EngineWorker(role, EngineConfig(**ENGINE, role=role))
+
+
+def test_an_engine_that_cannot_be_built_fails_the_worker_and_leaves_no_thread():
+    """The engine is built on the stepping thread: its error reaches the constructor."""
+    config = EngineConfig(**(ENGINE | {"num_kv_blocks": 1}), role="colocated")
+    with pytest.raises(ValueError, match="the KV pool has 1 blocks"):
+        EngineWorker("unbuildable", config)
+    assert not [t for t in threading.enumerate() if t.name == "unbuildable-step"]

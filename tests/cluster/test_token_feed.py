@@ -1,0 +1,182 @@
+"""Token events by subscription (cluster/token_feed.py). Engine side: a real EngineWorker
+(tiny model) feeding a TokenOutbox; oracle: an offline engine, and one batch per step
+carrying several requests' events. Ingress side: EngineFeed over a stand-in for the Ray
+stream (the code under test is the demultiplexing and the engine's death)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+
+from hybridserve.cluster.messages import TokenBatch, TokenEvent
+from hybridserve.cluster.orchestrator import EngineDied
+from hybridserve.cluster.token_feed import EngineFeed, TokenOutbox
+from tests.cluster.test_worker import (
+    PROMPT,
+    assert_idle_at_baseline,
+    offline,
+    request,
+    tokens_of,
+    worker,
+)
+
+OTHER_PROMPT = [(7 * i + 3) % 250 for i in range(40)]
+
+
+async def until_finished(
+    batches: AsyncIterator[TokenBatch], request_ids: set[str]
+) -> tuple[dict[str, list[TokenEvent]], list[int]]:
+    """Every event of `request_ids` (by request), and the size of each batch."""
+    events: dict[str, list[TokenEvent]] = {r: [] for r in request_ids}
+    sizes: list[int] = []
+    while request_ids:
+        batch = await asyncio.wait_for(anext(batches), 30)
+        sizes.append(len(batch.events))
+        for event in batch.events:
+            events[event.request_id].append(event)
+            if event.finished:
+                request_ids.discard(event.request_id)
+    return events, sizes
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    w = worker("colocated", name="feed-colocated")
+    yield w
+    w.shutdown()
+
+
+def test_one_batch_per_step_carries_every_request_s_tokens(colocated):
+    requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=12)]
+
+    async def scenario() -> tuple[dict[str, list[TokenEvent]], list[int], TokenOutbox]:
+        outbox = TokenOutbox(colocated)
+        batches = outbox.batches()
+        assert (await anext(batches)).events == []  # the subscription is open
+        for r in requests:
+            outbox.submit(r)
+        events, sizes = await until_finished(batches, {r.request_id for r in requests})
+        return events, sizes, outbox
+
+    events, sizes, outbox = asyncio.run(scenario())
+    assert tokens_of(events[requests[0].request_id]) == offline()
+    assert tokens_of(events[requests[1].request_id]) == offline(OTHER_PROMPT, max_tokens=12)
+    # Decode steps run both requests: their events travel together.
+    assert max(sizes) == 2 and len(sizes) < sum(len(e) for e in events.values())
+    assert outbox.request_ids == set() and colocated._streams == {}
+    assert_idle_at_baseline(colocated)
+
+
+def test_closing_the_outbox_aborts_what_its_subscriber_left_running(colocated):
+    async def scenario() -> TokenOutbox:
+        outbox = TokenOutbox(colocated)
+        batches = outbox.batches()
+        await anext(batches)
+        outbox.submit(request(max_tokens=400))
+        while not (await asyncio.wait_for(anext(batches), 30)).events:
+            pass
+        outbox.close()
+        return outbox
+
+    outbox = asyncio.run(scenario())
+    assert outbox.request_ids == set() and colocated._streams == {}
+    assert_idle_at_baseline(colocated)
+
+
+def test_a_refused_request_raises_and_leaves_nothing_open(colocated):
+    async def scenario() -> TokenOutbox:
+        outbox = TokenOutbox(colocated)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            outbox.submit(request(prompt=[*PROMPT, 10_000]))
+        return outbox
+
+    outbox = asyncio.run(scenario())
+    assert outbox.request_ids == set() and colocated._streams == {}
+    assert_idle_at_baseline(colocated)
+
+
+def test_attach_streams_an_expected_request_including_what_arrived_before():
+    """Prefill -> decode, the decode side attached only after the hand-over: the tokens it
+    produced meanwhile come first, each exactly once (tokens_of checks the offsets)."""
+    prefill, decode = worker("prefill", name="feed-prefill"), worker("decode", name="feed-decode")
+    try:
+
+        async def scenario() -> list[TokenEvent]:
+            outbox = TokenOutbox(decode)
+            batches = outbox.batches()
+            await anext(batches)
+            req = request()
+            address = await decode.expect(req.request_id)
+            result = await prefill.prefill(req, address)
+            assert result.status == "handed_off" and result.first is not None
+            await asyncio.sleep(0.2)  # let decode run ahead of the attach
+            outbox.attach(req.request_id)
+            events, _ = await until_finished(batches, {req.request_id})
+            return [result.first, *events[req.request_id]]
+
+        assert tokens_of(asyncio.run(scenario())) == offline()
+        assert decode._streams == {} and prefill._streams == {}
+        assert_idle_at_baseline(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+class ScriptedEngine:
+    """Stands in for an engine actor handle: `subscribe` streams the batches (or the error)
+    put on `script`, as awaitable refs the way Ray's streaming calls hand them back."""
+
+    def __init__(self) -> None:
+        self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
+        self.subscribe = self
+        self.subscribers: list[str] = []
+
+    def options(self, **_: Any) -> ScriptedEngine:
+        return self
+
+    def remote(self, subscriber: str) -> AsyncIterator[asyncio.Future[dict[str, Any]]]:
+        self.subscribers.append(subscriber)
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[asyncio.Future[dict[str, Any]]]:
+        while True:
+            item = await self.script.get()
+            if isinstance(item, BaseException):
+                raise item
+            ref = asyncio.get_running_loop().create_future()
+            ref.set_result(item.to_dict())
+            yield ref
+
+
+def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death():
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        a, b = await feed.open("a"), await feed.open("b")
+        assert engine.subscribers == [feed.subscriber]  # one subscription for both
+        engine.script.put_nowait(
+            TokenBatch(
+                [
+                    TokenEvent("a", 0, [1]),
+                    TokenEvent("gone", 3, [9]),  # a request nobody waits for: dropped
+                    TokenEvent("b", 0, [2]),
+                    TokenEvent("a", 1, [3], finish_reason="length", last=True),
+                ]
+            )
+        )
+        assert tokens_of([e async for e in feed.events("a", a)]) == [1, 3]
+        b_events = feed.events("b", b)
+        assert (await anext(b_events)).token_ids == [2]
+        engine.script.put_nowait(RayActorError())
+        with pytest.raises(EngineDied, match="decode-0"):
+            await anext(b_events)
+        assert feed.dead
+        with pytest.raises(EngineDied, match="decode-0"):
+            await feed.open("c")
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
