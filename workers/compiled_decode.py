@@ -16,13 +16,19 @@ What the compiler traces differs from the eager step in three places, each behin
 Shapes are dynamic: one graph serves every batch of two or more rows and every block-table
 width (the runner pads tables to two columns at least, since the compiler specialises a size
 of 1); one row gets a graph of its own. Both compile at engine start (`warm_up`), so no request
-waits for the compiler; inductor's on-disk cache makes later starts quick. Mixed and prefill
-steps stay eager. When the warm-up fails (no C++ compiler, say), the engine logs why and runs
-every step eagerly.
+waits for the compiler; inductor's on-disk cache makes later starts quick. That holds because
+the tracer does no duck shaping: by default it gives sizes that happen to be equal in the
+traced batch one symbol, and the warm-up's table width (2) equalled the KV pool's K/V
+dimension, so the first request longer than two blocks recompiled the step (12 s). (Skipping
+guard evaluation after the warm-up, `skip_guard_eval_unsafe`, would save 0.2 ms a step, but
+picked a wrong graph for NemotronH: the guards are what keeps the graphs exact.) Mixed and
+prefill steps stay eager. When the warm-up fails (no C++ compiler, say), the engine
+logs why and runs every step eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -50,7 +56,8 @@ class CompiledDecode:
         if not self.enabled:
             return self.model(batch, caches)
         self.num_compiled_steps += 1
-        return self.compiled(batch, caches)
+        with _tracing_config():
+            return self.compiled(batch, caches)
 
     @torch.inference_mode()
     def warm_up(self, caches: StateCaches, max_rows: int) -> None:
@@ -60,9 +67,10 @@ class CompiledDecode:
         saved = [(pool, pool[:touched].clone()) for pool in _pools(caches)]
         start = time.perf_counter()
         try:
-            for rows in WARM_UP_ROWS:
-                if rows <= max_rows:
-                    self.compiled(_warm_up_batch(rows, caches), caches)
+            with _tracing_config():
+                for rows in WARM_UP_ROWS:
+                    if rows <= max_rows:
+                        self.compiled(_warm_up_batch(rows, caches), caches)
         except Exception as error:  # any compiler failure means "stay eager"
             self.enabled = False
             logger.warning("compile_decode: compiling failed, decode runs eagerly (%s)", error)
@@ -72,6 +80,11 @@ class CompiledDecode:
         finally:
             for pool, contents in saved:
                 pool[:touched].copy_(contents)
+
+
+def _tracing_config() -> contextlib.AbstractContextManager[None]:
+    """Every dynamic size its own symbol (see the module's docstring)."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def _pools(caches: StateCaches) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
 from hybridserve.workers import compiled_decode as compiled_decode_module
@@ -40,3 +41,21 @@ def test_a_compiler_failure_leaves_every_step_eager_and_exact(monkeypatch, caplo
 def test_compile_decode_with_tensor_parallelism_is_refused():
     with pytest.raises(ValueError, match="compile_decode runs at tensor_parallel_size 1, not 2"):
         EngineConfig(compile_decode=True, tensor_parallel_size=2)
+
+
+def test_the_warm_up_compiles_every_graph_a_decode_step_needs():
+    """Tables of one to five blocks, four rows and one: no step recompiles. (The first request
+    longer than two blocks once recompiled the step for 12 s: the tracer had tied the table
+    width to the KV pool's number of attention layers, both 2 in the warm-up.)"""
+    prompts = random_prompts([3, 17, 40, 70], seed=5)
+    expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
+    llm = LLM("tiny", compile_decode=True)
+    compiled = llm.engine.executor.driver.compiled_decode
+    assert compiled.enabled
+    with torch.compiler.set_stance("fail_on_recompile"):
+        together = llm.generate(prompts, GREEDY)
+        alone = llm.generate(prompts[3:], GREEDY)
+    assert [o.token_ids for o in together] == expected
+    assert alone[0].token_ids == expected[3]
+    assert compiled.num_compiled_steps >= 2 * (GREEDY.max_tokens - 1)
+    assert_pools_at_baseline(llm.engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridserve.workers import LLM, SamplingParams
 from tests.helpers import (
@@ -69,7 +70,8 @@ def test_chunked_prefill_and_block_sizes_match_transformers(
 
 def test_compiled_decode_matches_transformers(reference, caplog):
     """Decode steps through torch.compile: the graph for one row and the dynamic one (eight
-    rows, then rows finishing at different lengths), block tables from 1 to 21 blocks."""
+    rows, then rows finishing at different lengths), block tables from 1 to 21 blocks, all
+    compiled at engine start: no step recompiles."""
     _, folder, prompts, hf_tokens, _ = reference
     llm = LLM(str(folder), compile_decode=True, block_size=16)
     compiled = llm.engine.executor.driver.compiled_decode
@@ -77,15 +79,16 @@ def test_compiled_decode_matches_transformers(reference, caplog):
     caches = llm.engine.executor.driver.caches
     assert all(not pool.any() for pool in (caches.kv, caches.conv, caches.ssm)), "warm-up left"
 
-    together = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in together] == hf_tokens
-    alone = llm.generate([prompts[3]], GREEDY)[0]
-    assert alone.token_ids == hf_tokens[3]
     uneven = [
         SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    outputs = llm.generate(prompts, uneven)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        together = llm.generate(prompts, GREEDY)
+        alone = llm.generate([prompts[3]], GREEDY)[0]
+        outputs = llm.generate(prompts, uneven)
+    assert [o.token_ids for o in together] == hf_tokens
+    assert alone.token_ids == hf_tokens[3]
     assert [o.token_ids for o in outputs] == [t[: 4 + 4 * i] for i, t in enumerate(hf_tokens)]
     # Every decode-only step ran compiled (31 + 31 + 31 steps at least).
     assert compiled.enabled and compiled.num_compiled_steps >= 3 * (NEW_TOKENS - 1)
