@@ -47,7 +47,7 @@ IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
 # Takes a request's token events on the caller's loop (a subscriber's outbox).
-EventSinkFn = Callable[[TokenEvent], None]
+TokenSink = Callable[[TokenEvent], None]
 
 
 class EngineUnavailable(RuntimeError):
@@ -62,7 +62,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     num_choices: int = 1
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-    sink: EventSinkFn | None = None
+    sink: TokenSink | None = None
     num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
     finished: set[int] = field(default_factory=set)  # choices that ended
     prefill_done: asyncio.Future[PrefillResult] | None = None
@@ -283,7 +283,7 @@ class EngineWorker:
         its prefill failed outright)."""
         self._close(request_id)
 
-    def submit(self, request: GenerateRequest, sink: EventSinkFn) -> None:
+    def submit(self, request: GenerateRequest, sink: TokenSink) -> None:
         """`generate` for a caller that takes the events itself: they go to `sink` (on this
         loop, all of a step's in one callback) until the caller closes the stream
         (`close_stream`), which also aborts the request if it has not ended."""
@@ -294,7 +294,7 @@ class EngineWorker:
             self._close(request.request_id)
             raise
 
-    def attach(self, request_id: str, sink: EventSinkFn) -> None:
+    def attach(self, request_id: str, sink: TokenSink) -> None:
         """`follow` for a caller that takes the events itself: what is queued already goes
         to `sink` first."""
         stream = self._expected_stream(request_id)
