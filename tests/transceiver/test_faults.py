@@ -790,6 +790,8 @@ def test_a_sender_with_another_deployment_s_secret_is_refused(make_link):
     (outcome,) = link.transfer(SPECS[:1])
     assert outcome.status == "failed"
     assert "could not prove that it belongs to the deployment" in outcome.detail
+    # The receiver counts the refusal after telling the sender: it may land a moment later.
+    wait_until(lambda: link.receiver.refused_links, "the receiver to count the refusal")
     assert link.receiver.refused_links == {"unauthenticated": 1}
     with link.decode_lock:
         assert not link.decode.has_request("r0")
