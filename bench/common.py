@@ -62,6 +62,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -152,13 +153,18 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     model = llm.engine.executor.driver.model
     weights = [(m.weight, m.packed) for m in model.modules() if isinstance(m, PackableLinear)]
     weights.append((model.lm_head_weight, model.lm_head_packed))
-    inputs = [torch.randn(batch_size, w.shape[1], dtype=w.dtype) for w, _ in weights]
+    inputs = [
+        torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights
+    ]
+    sync = torch.cuda.synchronize if weights[0][0].is_cuda else lambda: None
     totals = []
     with torch.inference_mode():
         for _ in range(repeats + 2):
+            sync()
             start = time.perf_counter()
             for (weight, packed), x in zip(weights, inputs, strict=True):
                 linear(x, weight, None, packed)
+            sync()
             totals.append(time.perf_counter() - start)
     totals = sorted(totals[2:])  # the first two warm the caches
     return totals[len(totals) // 2] * 1e3

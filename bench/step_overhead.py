@@ -2,7 +2,7 @@
 and 256 running requests.
 
     python bench/step_overhead.py [--quick] [--running 1 32 256] [--modes eager compiled]
-                                  [--output ...]
+                                  [--device cpu|cuda] [--dtype ...] [--output ...]
 
 One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small
 one) with prefix caching and Mamba snapshots on, as served. N requests with 64-token prompts
@@ -12,7 +12,9 @@ ops, forward, sampling), `update` (tokens appended, commits and stop checks) and
 `Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
-mode is one engine: `eager`, and `compiled` (the compiled decode step, `compile_decode`).
+mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`) and, on
+CUDA, `graphs` (decode steps replayed as CUDA graphs, `cuda_graphs`; the other two modes run
+with it off).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
     other = statistics.median(rest) * 1e3
     floor = gemm_floor_ms(llm, num_running)
     return {
-        "mode": "compiled" if llm.engine.config.compile_decode else "eager",
+        "mode": mode_of(llm),
         "running": num_running,
         "steps": steps,
         "step_ms": ms["step"],
@@ -104,13 +106,25 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
     }
 
 
+def mode_of(llm: LLM) -> str:
+    runner = llm.engine.executor.driver
+    if runner.decode_graphs is not None:
+        return "graphs"
+    return "compiled" if runner.compiled_decode is not None else "eager"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
     parser.add_argument("--running", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument(
-        "--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"]
+        "--modes",
+        nargs="+",
+        choices=["eager", "compiled", "graphs"],
+        default=["eager", "compiled"],
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--output", default="bench/results/step_overhead.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,6 +140,9 @@ def main() -> None:
                 max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
                 num_kv_blocks=most * 8 + 64,
                 compile_decode=mode == "compiled",
+                cuda_graphs=mode == "graphs",
+                device=args.device,
+                dtype=args.dtype,
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 measure(llm, min(4, most), vocab)  # warm-up
@@ -141,7 +158,16 @@ def main() -> None:
             f"{r['outside_share']:>7.1%} {r['gemm_floor_ms']:>9.2f}ms "
             f"{r['step_over_floor']:>9.2f}x"
         )
-    write_result(args.output, {"machine": machine(), "quick": args.quick, "results": results})
+    write_result(
+        args.output,
+        {
+            "machine": machine(),
+            "quick": args.quick,
+            "device": args.device,
+            "dtype": args.dtype,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ class EngineConfig(BaseModel):
         "step); compiles at engine start, about a minute the first time on a small CPU, "
         "seconds once inductor's cache holds it; tensor_parallel_size 1",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="on CUDA: replay decode-only steps as CUDA graphs, captured at engine start "
+        "for batch sizes 1, 2, 4, 8, 16, ... up to max_num_seqs (512 at most); used at "
+        "tensor_parallel_size 1 for models without MoE layers; False runs every step eagerly",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest prompt + output; default: the model's, at most 8192"
     )

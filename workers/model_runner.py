@@ -15,6 +15,12 @@ import torch
 from hybridserve.workers.cache_memory import CacheMemory
 from hybridserve.workers.compiled_decode import CompiledDecode
 from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.decode_graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    bucket_sizes,
+    graphs_unsupported,
+)
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
@@ -88,6 +94,12 @@ class ModelRunner:
         self.model.eval()
         self.model.pack_for_cpu()
         self.compiled_decode = CompiledDecode(self.model) if config.compile_decode else None
+        unsupported = graphs_unsupported(self.model, self.device, parallel.tp_size)
+        if config.cuda_graphs and unsupported and self.device.type == "cuda":
+            logger.info("decode graphs off: %s", unsupported)
+        self.capture_graphs = config.cuda_graphs and unsupported is None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.max_blocks_per_seq = 0  # widest block table (pool_sizes)
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.caches = StateCaches(None, None, None)
@@ -108,6 +120,7 @@ class ModelRunner:
         """Block and slot counts from the config, or from the memory left on this rank."""
         config = self.config
         blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_blocks_per_seq = blocks_per_seq
         per_block = self.kv_bytes_per_block()
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -163,6 +176,8 @@ class ModelRunner:
         self.memory = CacheMemory(self.caches, self.config.host_cache_bytes, host_counts)
         if self.compiled_decode is not None:
             self.compiled_decode.warm_up(self.caches, max_rows=self.config.max_num_seqs)
+        if self.capture_graphs:
+            self._capture_decode_graphs()
         logger.info(
             "rank %d caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
             self.parallel.tp_rank,
@@ -171,6 +186,17 @@ class ModelRunner:
             sizes.num_mamba_slots,
             sum(t.numel() * t.element_size() for t in (kv, conv, ssm) if t is not None) / 2**20,
         )
+
+    def _capture_decode_graphs(self) -> None:
+        buckets = bucket_sizes(self.config.max_num_seqs)
+        inputs = DecodeInputs(buckets[-1], self.max_blocks_per_seq, self.device)
+        graphs = DecodeGraphs(self.model, self.caches, inputs, buckets)
+        try:
+            graphs.capture()
+        except Exception as error:  # any capture failure means "stay eager"
+            logger.warning("decode graphs: capture failed, decode runs eagerly (%s)", error)
+        else:
+            self.decode_graphs = graphs
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -189,10 +215,16 @@ class ModelRunner:
             key=lambda i: (not chunks[i].is_decode, chunks[i].slot if chunks[i].is_decode else 0),
         )
         items = [chunks[i] for i in order]
-        batch, row_ranges = self._build_batch(items)
-        decode_only = batch.num_decode == batch.num_tokens
-        forward = self.compiled_decode if decode_only and self.compiled_decode else self.model
-        hidden = forward(batch, self.caches)
+        graphs = self.decode_graphs
+        if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
+            # Built on the host: the graph's input buffers take it in one staging copy.
+            batch, row_ranges = self._build_batch(items, torch.device("cpu"))
+            hidden = graphs.run(batch)
+        else:
+            batch, row_ranges = self._build_batch(items, self.device)
+            decode_only = batch.num_decode == batch.num_tokens
+            forward = self.compiled_decode if decode_only and self.compiled_decode else self.model
+            hidden = forward(batch, self.caches)
         if batch.logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
             return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
@@ -223,7 +255,7 @@ class ModelRunner:
         return RunnerOutput(samples=samples, prompt_logprobs=scored)
 
     def _build_batch(
-        self, items: list[ScheduledChunk]
+        self, items: list[ScheduledChunk], device: torch.device
     ) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """The packed batch, plus per item the (first, last) rows it owns in the logits."""
         bs = self.block_size
@@ -265,7 +297,7 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
 
         def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return torch.tensor(values, dtype=torch.int64, device=device)
 
         batch = ForwardBatch(
             input_ids=tensor(input_ids),

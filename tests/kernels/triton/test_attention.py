@@ -17,15 +17,16 @@ from hybridserve.kernels.reference import (
     paged_attention_prefill_ref,
     store_kv_ref,
 )
-from hybridserve.kernels.triton.attention import (
-    _paged_attention_decode_fwd,
-    _paged_attention_prefill_fwd,
-    paged_attention_decode,
-    paged_attention_prefill,
-    store_kv,
-)
+from hybridserve.kernels.triton import attention as triton_attention
+from tests.kernels.triton.device import on_device
 
 pytestmark = pytest.mark.triton
+
+_paged_attention_decode_fwd = on_device(triton_attention._paged_attention_decode_fwd)
+_paged_attention_prefill_fwd = on_device(triton_attention._paged_attention_prefill_fwd)
+paged_attention_decode = on_device(triton_attention.paged_attention_decode)
+paged_attention_prefill = on_device(triton_attention.paged_attention_prefill)
+store_kv = on_device(triton_attention.store_kv)
 
 D, NUM_BLOCKS, NUM_LAYERS, LAYER = 8, 24, 2, 1
 POISON = NUM_BLOCKS - 1  # every table entry past a sequence's last block points here

@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from hybridserve.kernels.reference import causal_conv1d_ref, causal_conv1d_update_ref
-from hybridserve.kernels.triton.conv1d import causal_conv1d, causal_conv1d_update
+from hybridserve.kernels.triton import conv1d as triton_conv1d
+from tests.kernels.triton.device import on_device
 
 pytestmark = pytest.mark.triton
+
+causal_conv1d = on_device(triton_conv1d.causal_conv1d)
+causal_conv1d_update = on_device(triton_conv1d.causal_conv1d_update)
 
 NUM_SLOTS, NUM_LAYERS, LAYER = 7, 2, 1
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from hybridserve.kernels.reference import gated_rms_norm_ref
-from hybridserve.kernels.triton.norm import gated_rms_norm
+from hybridserve.kernels.triton import norm as triton_norm
+from tests.kernels.triton.device import on_device
 
 pytestmark = pytest.mark.triton
+
+gated_rms_norm = on_device(triton_norm.gated_rms_norm)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from hybridserve.kernels.reference import selective_state_update_ref
-from hybridserve.kernels.triton.state_update import selective_state_update
+from hybridserve.kernels.triton import state_update as triton_state_update
+from tests.kernels.triton.device import on_device
 
 pytestmark = pytest.mark.triton
+
+selective_state_update = on_device(triton_state_update.selective_state_update)
 
 H, G = 4, 2  # two heads per group
 NUM_SLOTS, NUM_LAYERS, LAYER = 6, 2, 1

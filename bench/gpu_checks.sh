@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run (a lent GPU's time is short):
+#   1. Triton kernels compiled for the GPU against their torch references, decode graphs
+#      against eager steps, and the engine on CUDA against transformers (tests/);
+#   2. bench/kernels.py: each kernel against its reference and the roofline;
+#   3. bench/step_overhead.py on CUDA: the decode step eager and as CUDA graphs, fp32 and bf16.
+#
+#   bash bench/gpu_checks.sh [results folder, default bench/results/gpu]
+#
+# Runs with the packages already installed (hybridserve importable); every step runs even if
+# an earlier one fails, and the exit status says whether all passed.
+set -uo pipefail
+out=${1:-bench/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+step() {
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$out/$name.log" || status=1
+    echo "=== $name: exit ${PIPESTATUS[0]} in $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# The session fixtures (tests/conftest.py) start Ray, which these tests do not use.
+step tests python3 -m pytest --noconftest -p no:cacheprovider -q -rs --tb=short \
+    tests/workers/test_decode_graphs.py tests/kernels/triton tests/workers/test_parity.py \
+    -k "not compiled"
+step kernels python3 bench/kernels.py --output "$out/kernels.json"
+for dtype in float32 bfloat16; do
+    step "step_overhead_$dtype" python3 bench/step_overhead.py --device cuda --dtype "$dtype" \
+        --modes eager graphs --running 1 8 32 256 --output "$out/step_overhead_$dtype.json"
+done
+exit $status
