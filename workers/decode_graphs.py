@@ -57,7 +57,7 @@ def graphs_unsupported(model: nn.Module, device: torch.device, tp_size: int) -> 
 
 class DecodeInputs:
     """Persistent device buffers for a decode batch of up to `max_rows` rows, filled from a
-    host batch with one staging copy per step (pinned on CUDA)."""
+    host batch through a staging buffer (pinned on CUDA): two copies a step."""
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "mamba_slots")
 
