@@ -50,10 +50,20 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # What the model runners execute; built once scheduling is done.
     plan: StepPlan = field(default_factory=StepPlan)
+    # New tokens over `scheduled`, kept by add / drop: the budget check reads it once per
+    # request, and summing the batch each time made a 256-request step quadratic.
+    num_tokens: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens))
+        self.num_tokens += num_new_tokens
+
+    def drop(self, request: Request) -> None:
+        """Take `request` out of this step's batch, if it is in it."""
+        kept = [s for s in self.scheduled if s.request is not request]
+        if len(kept) != len(self.scheduled):
+            self.scheduled = kept
+            self.num_tokens = sum(s.num_new_tokens for s in kept)
 
 
 class Scheduler:
@@ -105,7 +115,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = self.chunk_size(request, budget, request.num_computed_tokens)
             if num_new and self._allocate_or_preempt(request, num_new, out):
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.add(request, num_new)
         # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
         #    is short). Each first looks up its reusable prefix and starts after it.
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
@@ -118,7 +128,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.add(request, num_new)
         out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
         return out
 
@@ -176,7 +186,7 @@ class Scheduler:
             out.preempted.append(victim)
             # Decodes are scheduled out of admission order, so the victim may already be in
             # this step's batch: take it out again (its blocks were just freed).
-            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+            out.drop(victim)
             if victim is request:
                 return False
         return True
