@@ -35,6 +35,8 @@ import time
 import torch
 from torch import nn
 
+from hybridserve.kernels import cpu_state_update
+from hybridserve.kernels.dispatch import kernel_backend
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class CompiledDecode:
     def warm_up(self, caches: StateCaches, max_rows: int) -> None:
         """Compile both graphs with batches on the first slots and blocks; their contents are
         put back afterwards. With `max_rows` 1 only the one-row graph is compiled."""
+        if kernel_backend(next(iter(_pools(caches)))) == "cpu":
+            cpu_state_update.build()  # before tracing: the tracer only reads whether it is built
         touched = max(WARM_UP_ROWS)  # slots (and at most blocks) the warm-up writes
         saved = [(pool, pool[:touched].clone()) for pool in _pools(caches)]
         start = time.perf_counter()

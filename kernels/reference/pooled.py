@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels import cpu_state_update
+from hybridserve.kernels.cpu_state_update import ssm_update_
+
 from ._common import expand_groups, prepare_dt
 
 
@@ -64,10 +67,13 @@ def state_update_pooled(
 ) -> torch.Tensor:
     """ssm_pool: (num_slots, num_layers, H, P, N), updated in place at (state_slots, layer);
     x: (Bt, H, P); dt: (Bt, H); A: (H,); B, C: (Bt, G, N). Returns (Bt, H, P) in x.dtype:
-    S = exp(dt' * A) * S + dt' * outer(x, B);  y = S @ C + D * x."""
+    S = exp(dt' * A) * S + dt' * outer(x, B);  y = S @ C + D * x.
+    On the CPU with fp32 states, one C kernel pass per state (kernels/cpu_state_update.py)."""
     slots = state_slots.long()
     H = x.shape[1]
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)  # (Bt, H)
+    if cpu_state_update.available(ssm_pool):
+        return ssm_update_(ssm_pool, layer, x, dt, A, B, C, slots, D).to(x.dtype)
     xf = x.float()
     B, C = expand_groups(B, H), expand_groups(C, H)  # (Bt, H, N)
     states = ssm_pool[slots, layer].float()  # (Bt, H, P, N)

@@ -12,12 +12,12 @@ from hybridserve.kernels import dispatch
 from hybridserve.kernels.dispatch import BACKEND_ENV, TRITON_MODULES, kernel_backend
 
 
-def test_cpu_tensors_use_the_reference(monkeypatch):
+def test_cpu_tensors_use_the_cpu_backend(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    assert kernel_backend(torch.zeros(1)) == "reference"
+    assert kernel_backend(torch.zeros(1)) == "cpu"
 
 
-@pytest.mark.parametrize("forced", ["triton", "reference"])
+@pytest.mark.parametrize("forced", ["triton", "cpu", "reference"])
 def test_the_environment_forces_a_backend(monkeypatch, forced):
     monkeypatch.setenv(BACKEND_ENV, forced)
     assert kernel_backend(torch.zeros(1)) == forced
@@ -26,7 +26,7 @@ def test_the_environment_forces_a_backend(monkeypatch, forced):
 def test_an_unknown_backend_is_an_error_listing_the_choices(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "cuda")
     with pytest.raises(
-        ValueError, match=r"not a kernel backend \(choose one of: triton, reference\)"
+        ValueError, match=r"not a kernel backend \(choose one of: triton, cpu, reference\)"
     ):
         kernel_backend(torch.zeros(1))
 

@@ -1,0 +1,259 @@
+"""The Mamba2 decode state update on the CPU in one pass over each state: a small C kernel.
+
+At a few dozen decode rows a step moves more bytes through SSM states than through weights
+(32 rows x 6 layers x 16 heads x 64 x 64 floats = 50 MB, read and written, against 88 MB of
+weights on the benchmark checkpoint). Torch ops touch each state several times: the compiled
+decode step's loop reads the pool, writes the new states to a temporary (the scatter cannot
+write the pool it reads from) and copies that back, four passes; the eager ops make five or
+six. This kernel reads each state once, writes it back in place and accumulates the output's
+dot product in the same loop:
+
+    S = exp(dt * A) * S + dt * outer(x, B);   y = S @ C + D * x        (per row and head)
+
+It is C with no torch headers, built at first use with the system C compiler (`CC`, else
+`cc`) into ~/.cache/hybridserve/kernels/ (about a second), loaded with ctypes and registered
+as `hybridserve::ssm_update_`, an operator `torch.compile` calls as is. `build()` compiles or
+loads it (the compiled decode step calls it before tracing, so the tracer only reads a flag);
+without a compiler, or when the build fails, `available` is False and callers run the torch
+reference. Tests compare the two (tests/kernels/test_cpu_state_update.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hybridserve.kernels.reference import selective_state_update_ref
+from hybridserve.kernels.reference._common import prepare_dt
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+/* pool: the layer's state of slot 0; slot s starts slot_stride floats further.
+   x: (rows, H, P); dt: (rows, H), prepared (bias, softplus, clamp); A, D: (H,) (D may be
+   NULL); B, C: (rows, G, N); y: (rows, H, P). Rows with slot -1 are padding: y = 0. */
+void ssm_update_f32(float *pool, int64_t slot_stride, const int64_t *slots, int64_t rows,
+                    int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
+                    const float *dt, const float *A, const float *B, const float *C,
+                    const float *D, float *y) {
+    const int64_t heads_per_group = H / G;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < H; ++h) {
+            float *out = y + (r * H + h) * P;
+            const int64_t slot = slots[r];
+            if (slot < 0) {
+                for (int64_t p = 0; p < P; ++p) out[p] = 0.0f;
+                continue;
+            }
+            float *state = pool + slot * slot_stride + h * P * N;
+            const float step = dt[r * H + h];
+            const float decay = expf(step * A[h]);
+            const int64_t group = r * G + h / heads_per_group;
+            const float *b = B + group * N, *c = C + group * N;
+            const float *xs = x + (r * H + h) * P;
+            const float skip = D ? D[h] : 0.0f;
+            for (int64_t p = 0; p < P; ++p) {
+                float *s = state + p * N;
+                const float input = step * xs[p];
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t n = 0; n < N; ++n) {
+                    const float v = s[n] * decay + input * b[n];
+                    s[n] = v;
+                    acc += v * c[n];
+                }
+                out[p] = acc + skip * xs[p];
+            }
+        }
+    }
+}
+"""
+
+
+_kernel: ctypes._CFuncPtr | None = None  # ssm_update_f32, once build() has loaded it
+
+
+def build() -> bool:
+    """Compile (or find in the cache) and load the kernel, once per process; whether it is
+    usable."""
+    global _kernel
+    if _kernel is None:
+        _kernel = _load()
+    return _kernel is not None
+
+
+@functools.cache
+def _load() -> ctypes._CFuncPtr | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("ssm_update_: no C compiler; the torch reference updates SSM states")
+        return None
+    digest = hashlib.sha256((SOURCE + " ".join((compiler, *FLAGS))).encode()).hexdigest()[:16]
+    path = CACHE_DIR / "kernels" / f"ssm_update_{digest}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                source, built = Path(tmp) / "ssm_update.c", Path(tmp) / path.name
+                source.write_text(SOURCE)
+                subprocess.run(
+                    [compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                os.replace(built, path)  # atomic: processes building at once agree
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("ssm_update_: building the C kernel failed, using torch (%s)", detail)
+        return None
+    function = library.ssm_update_f32
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
+    function.argtypes += [ctypes.c_void_p] * 7
+    return function
+
+
+def available(ssm_pool: torch.Tensor) -> bool:
+    """Whether the kernel can update this (num_slots, num_layers, H, P, N) pool: fp32 states
+    on the CPU, each (slot, layer) one contiguous (H, P, N) block, and the kernel built
+    (`build`)."""
+    return (
+        _kernel is not None
+        and ssm_pool.device.type == "cpu"
+        and ssm_pool.dtype == torch.float32
+        and ssm_pool.dim() == 5
+        and ssm_pool[0, 0].is_contiguous()
+    )
+
+
+_LIBRARY = torch.library.Library("hybridserve", "FRAGMENT")
+_LIBRARY.define(
+    "ssm_update_(Tensor(a!) ssm_pool, int layer, Tensor x, Tensor dt, Tensor A, Tensor B, "
+    "Tensor C, Tensor slots, Tensor? D) -> Tensor"
+)
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    state_slots: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """`selective_state_update_ref` (same arguments; ssm_states is one layer's (num_slots, H,
+    P, N) view of the pool) through the kernel where it applies, else the reference."""
+    if not (build() and available(ssm_states.unsqueeze(1))):
+        return selective_state_update_ref(
+            ssm_states,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            state_slots=state_slots,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+        )
+    dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    return _update(ssm_states, x, dt, A, B, C, state_slots, D).to(x.dtype)
+
+
+def _update(
+    layer_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    slots: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel on one layer's (num_slots, H, P, N) states, dt prepared; fp32 y."""
+    assert _kernel is not None, "the kernel before build(): check available() first"
+    rows, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    x, dt, A = (t.contiguous().float() for t in (x, dt, A))
+    B, C = B.contiguous().float(), C.contiguous().float()
+    slots = slots.contiguous().long()
+    D = None if D is None else D.contiguous().float()
+    y = torch.empty((rows, H, P), dtype=torch.float32)
+    _kernel(
+        layer_states.data_ptr(),
+        layer_states.stride(0),
+        slots.data_ptr(),
+        rows,
+        H,
+        P,
+        N,
+        G,
+        x.data_ptr(),
+        dt.data_ptr(),
+        A.data_ptr(),
+        B.data_ptr(),
+        C.data_ptr(),
+        None if D is None else D.data_ptr(),
+        y.data_ptr(),
+    )
+    return y
+
+
+def _ssm_update(
+    ssm_pool: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    slots: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor:
+    return _update(ssm_pool[:, layer], x, dt, A, B, C, slots, D)
+
+
+_LIBRARY.impl("ssm_update_", _ssm_update, "CPU")
+
+
+@torch.library.register_fake("hybridserve::ssm_update_")
+def _ssm_update_shape(
+    ssm_pool: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    slots: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+ssm_update_ = torch.ops.hybridserve.ssm_update_.default
