@@ -10,7 +10,9 @@ What the compiler traces differs from the eager step in three places, each behin
 - Mamba states and KV blocks are written through (pool, layer), not per-layer views
   (`kernels.reference.pooled`): a write through a view of a graph input would copy the whole
   pool back every step.
-- Packed CPU GEMMs are one opaque operator (`cpu_gemm.packed_linear`).
+- Packed CPU GEMMs are one opaque operator (`cpu_gemm.packed_linear`), and so is the SSM
+  state update when its C kernel is built (`cpu_state_update.ssm_update_`): the compiler's
+  own loop writes the new states to a temporary and copies them back, twice the traffic.
 - The dispatched kernels trace their torch reference; the compiler generates the kernel.
 
 Shapes are dynamic: one graph serves every batch of two or more rows and every block-table
