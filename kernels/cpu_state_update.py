@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -104,7 +105,9 @@ def _load() -> ctypes._CFuncPtr | None:
     if compiler is None:
         logger.info("ssm_update_: no C compiler; the torch reference updates SSM states")
         return None
-    digest = hashlib.sha256((SOURCE + " ".join((compiler, *FLAGS))).encode()).hexdigest()[:16]
+    # -march=native: a cache shared by machines of different CPUs keeps one build per CPU.
+    key = " ".join((SOURCE, compiler, *FLAGS, platform.machine(), _cpu_flags()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = CACHE_DIR / "kernels" / f"ssm_update_{digest}.so"
     try:
         if not path.exists():
@@ -129,6 +132,14 @@ def _load() -> ctypes._CFuncPtr | None:
     function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
     function.argtypes += [ctypes.c_void_p] * 7
     return function
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def available(ssm_pool: torch.Tensor) -> bool:
