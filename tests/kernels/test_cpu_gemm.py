@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels import cpu_gemm
 from hybridserve.kernels.cpu_gemm import SMALL_BATCH, can_pack, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(
@@ -30,3 +31,29 @@ def test_only_float32_cpu_weights_are_packed():
     assert can_pack(torch.zeros(4, 4))
     assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))
     assert not can_pack(torch.zeros(4))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_or_two_rows_take_the_c_matvec_and_match_torch(rows, with_bias, monkeypatch):
+    assert cpu_gemm._gemv_kernel() is not None, "CI has a C compiler: the mat-vec must build"
+    calls = []
+    gemv = cpu_gemm._gemv
+    monkeypatch.setattr(cpu_gemm, "_gemv", lambda *a: calls.append(1) or gemv(*a))
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 130, generator=gen)
+    bias = torch.randn(300, generator=gen) if with_bias else None
+    # A strided x (a column slice), as activations often are.
+    x = torch.randn(rows, 140, generator=gen)[:, 5:135]
+    with torch.inference_mode():
+        y = cpu_gemm.linear(x, weight, bias)
+    assert calls == [1]
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_three_rows_and_other_dtypes_stay_on_torch(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_gemv", lambda *a: pytest.fail("the mat-vec ran"))
+    weight = torch.randn(8, 4)
+    with torch.inference_mode():
+        cpu_gemm.linear(torch.randn(3, 4), weight)
+        cpu_gemm.linear(torch.randn(1, 4, dtype=torch.bfloat16), weight.bfloat16())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridserve import kernels
-from hybridserve.kernels import cpu_state_update, dispatch
+from hybridserve.kernels import c_library, cpu_state_update, dispatch
 from hybridserve.kernels.reference import selective_state_update_ref
 from hybridserve.kernels.reference.pooled import state_update_pooled
 
@@ -110,17 +110,17 @@ def test_the_compiled_step_updates_the_pool_in_place_through_the_kernel(monkeypa
 
 def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_state_update, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(c_library, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(cpu_state_update, "_kernel", None)
-    cpu_state_update._load.cache_clear()
+    c_library.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_state_update.__name__):
+        with caplog.at_level(logging.WARNING, logger=c_library.__name__):
             assert not cpu_state_update.build()
-        assert "building the C kernel failed, using torch" in caplog.text
+        assert "ssm_update: building the C kernel failed, torch runs instead" in caplog.text
         inputs = make_inputs(4)
         pool, expected_pool = inputs["pool"].clone(), inputs["pool"].clone()
         y = run(cpu_state_update.selective_state_update, inputs, pool)
         expected = run(selective_state_update_ref, inputs, expected_pool)
         assert torch.equal(y, expected) and torch.equal(pool, expected_pool)
     finally:
-        cpu_state_update._load.cache_clear()
+        c_library.load.cache_clear()
