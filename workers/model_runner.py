@@ -218,7 +218,7 @@ class ModelRunner:
         items = [chunks[i] for i in order]
         graphs = self.decode_graphs
         if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
-            # Built on the host: the graph's input buffers take it in one staging copy.
+            # Built on the host: the graphs' input buffers take it through a pinned staging copy.
             batch, row_ranges = self._build_batch(items, torch.device("cpu"))
             hidden = graphs.run(batch)
         else:
@@ -301,7 +301,7 @@ class ModelRunner:
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
 
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         batch = ForwardBatch(
