@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels import c_library
+from hybridserve.kernels.dispatch import BACKEND_ENV
 
 # Rows at or below which the packed weight is used (measured crossover is between 64 and 300).
 SMALL_BATCH = 64
@@ -99,7 +100,7 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @functools.cache
 def _gemv_kernel() -> ctypes._CFuncPtr | None:
     # HYBRIDSERVE_KERNEL_BACKEND=reference means torch everywhere (read once per process).
-    if os.environ.get("HYBRIDSERVE_KERNEL_BACKEND") == "reference":
+    if os.environ.get(BACKEND_ENV) == "reference":
         return None
     library = c_library.load("gemv", GEMV_SOURCE)
     if library is None:
