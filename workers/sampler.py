@@ -28,13 +28,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
         """logits (R, V) float32, one row per SamplingRow -> one Sample per row."""
         counts = [len(row.seeds) for row in rows]
-        source = torch.repeat_interleave(
-            torch.arange(len(rows), device=logits.device),
-            torch.tensor(counts, device=logits.device),
-        )
         draws = [(row, seed) for row in rows for seed in row.seeds]
-        work = logits.index_select(0, source).float()
         expanded = [row for row, _ in draws]
+        if len(draws) > len(rows):
+            source = torch.repeat_interleave(
+                torch.arange(len(rows), device=logits.device),
+                torch.tensor(counts, device=logits.device),
+            )
+            logits = logits.index_select(0, source)
+        work = logits.to(torch.float32, copy=True)  # edited in place; `logits` stays raw
         _apply_bias_and_masks(work, expanded)
         _apply_penalties(work, expanded)
         tokens = work.argmax(dim=-1)
@@ -44,7 +46,7 @@ class Sampler:
             drawn = _draw(work[picked], [draws[i] for i in random])
             tokens[picked] = drawn
         token_list = tokens.tolist()
-        logprobs = _logprobs(logits, source, tokens, expanded)
+        logprobs = _logprobs(logits, tokens, expanded)
         samples = []
         first = 0
         for row, count in zip(rows, counts, strict=True):
@@ -164,15 +166,16 @@ def _draw(logits: torch.Tensor, draws: list[tuple[SamplingRow, int]]) -> torch.T
 
 
 def _logprobs(
-    logits: torch.Tensor, source: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
 ) -> list[TokenLogprobs | None]:
-    """Per expanded row that asked: the drawn token's raw logprob and the top N."""
+    """Per expanded row that asked: the drawn token's raw logprob and the top N (`logits`:
+    one raw row per expanded row)."""
     wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return result
     index = torch.tensor(wanted, device=logits.device)
-    raw = torch.log_softmax(logits.index_select(0, source[index]).float(), dim=-1)
+    raw = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     chosen = raw.gather(1, tokens[index][:, None])[:, 0].tolist()
     width = max(rows[i].num_logprobs or 0 for i in wanted)
     top_values, top_ids = raw.topk(min(width, raw.shape[1]), dim=-1)

@@ -11,7 +11,12 @@ import torch
 
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
 from hybridserve.workers import compiled_decode as compiled_decode_module
-from tests.helpers import assert_pools_at_baseline, random_prompts
+from tests.helpers import (
+    assert_pools_at_baseline,
+    make_hf_model,
+    random_prompts,
+    save_hf_checkpoint,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -59,3 +64,24 @@ def test_the_warm_up_compiles_every_graph_a_decode_step_needs():
     assert alone[0].token_ids == expected[3]
     assert compiled.num_compiled_steps >= 2 * (GREEDY.max_tokens - 1)
     assert_pools_at_baseline(llm.engine)
+
+
+def test_engines_of_one_model_class_never_share_graphs(tmp_path):
+    """Two compiled Bamba engines whose models differ only in their MLP width (the pools and
+    batches look alike), taking turns in one process: each gives its eager tokens. The compiled
+    step does not check the model's attributes before a call, so this holds only because each
+    engine compiles a function of its own."""
+    prompts = random_prompts([5, 30], seed=11)
+    engines = []
+    for width in (96, 160):
+        folder = save_hf_checkpoint(
+            make_hf_model("bamba", intermediate_size=width), tmp_path / str(width)
+        )
+        expected = [o.token_ids for o in LLM(str(folder)).generate(prompts, GREEDY)]
+        engines.append((LLM(str(folder), compile_decode=True), expected))
+    for _ in range(2):
+        for llm, expected in engines:
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    for llm, _ in engines:
+        assert llm.engine.executor.driver.compiled_decode.num_compiled_steps > 0
+        assert_pools_at_baseline(llm.engine)
