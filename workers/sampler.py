@@ -2,9 +2,9 @@
 
 Every control is a tensor operation over the whole batch: logit bias, banned tokens and the
 structured-output mask are scattered in, penalties come from token-count tensors, and the
-filters (top-k, top-p, min-p) work on one sort of the batch. Only the final draw is per row:
-each row draws its noise from a generator seeded by the request's seed mixed with the output
-position, so a request yields the same tokens whatever else is in the batch, after a
+filters (top-k, top-p, min-p) work on one sort of the batch. The draw is inverse-CDF
+sampling with one uniform number per row, derived from the request's seed mixed with the
+output position, so a request yields the same tokens whatever else is in the batch, after a
 preemption, or on another engine (disaggregated decode).
 
 A row may carry several seeds (the n choices of a request fork at its prompt's last row): it
@@ -22,6 +22,9 @@ from hybridserve.workers.outputs import Sample, TokenLogprobs
 from hybridserve.workers.step_plan import SamplingRow
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_MASK64 = (1 << 64) - 1
+# Best tokens a filtered row works on when its filters surely drop the rest (_draw_filtered).
+CANDIDATES = 256
 
 
 class Sampler:
@@ -134,20 +137,85 @@ def _token_counts(
 
 
 def _draw(logits: torch.Tensor, draws: list[tuple[SamplingRow, int]]) -> torch.Tensor:
-    """One token per row: temperature, then top-k, top-p and min-p on one sort, then the
-    exponential race with the row's own seeded noise."""
+    """One token per row: temperature, then top-k, top-p and min-p (for the rows that use
+    them), then inverse-CDF sampling with one uniform number per row from its seed.
+
+    One number per row, not one per token: the draw costs a softmax, a cumulative sum and a
+    binary search, whatever the vocabulary (seeded noise for every token of a 128k vocabulary
+    cost ~3 ms a row on the CPU)."""
     rows = [row for row, _ in draws]
     device = logits.device
     temperature = torch.tensor([r.temperature for r in rows], device=device)[:, None]
-    logits = logits / temperature
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[1]
-    ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([r.top_k or vocab for r in rows], device=device)[:, None]
+    values = logits / temperature
+    uniforms = torch.tensor([_uniform(seed) for _, seed in draws], dtype=torch.float64)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+    plain = [i for i, row in enumerate(rows) if not _filters(row)]
+    if plain:
+        tokens[plain] = _inverse_cdf(values[plain], uniforms[plain])
+    filtered = [i for i, row in enumerate(rows) if _filters(row)]
+    if filtered:
+        tokens[filtered] = _draw_filtered(
+            values[filtered], [rows[i] for i in filtered], uniforms[filtered]
+        )
+    return tokens
+
+
+def _filters(row: SamplingRow) -> bool:
+    return bool(row.top_k) or row.top_p < 1.0 or row.min_p > 0.0
+
+
+def _draw_filtered(
+    values: torch.Tensor, rows: list[SamplingRow], uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, top-p and min-p work on logits sorted in descending order. Sorting the whole
+    vocabulary is the slow part (3.6 ms for 32 rows of 4096 here), so a row whose filters
+    surely drop everything below its best `CANDIDATES` works on those alone: its top-k is no
+    larger, or it has no top-k and its candidates already hold top_p of the probability. The
+    other rows sort everything. Either way the row's tokens are the same, so a row draws what
+    it draws whatever else is in the batch."""
+    vocab = values.shape[1]
+    candidates, candidate_ids = values.topk(min(CANDIDATES, vocab), dim=-1)
+    full_log_total = values.logsumexp(dim=-1, keepdim=True)
+    top_k = torch.tensor([r.top_k or vocab for r in rows], device=values.device)
+    top_p = torch.tensor([r.top_p for r in rows], device=values.device)
+    no_top_k = top_k >= vocab
+    mass = (candidates - full_log_total).exp().sum(dim=-1)
+    fits = (top_k <= candidates.shape[1]) | (no_top_k & (top_p < 1.0) & (mass >= top_p))
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=values.device)
+    for subset, candidates_only in ((fits, True), (~fits, False)):
+        index = subset.nonzero()[:, 0]
+        if index.numel() == 0:
+            continue
+        chosen = [rows[i] for i in index.tolist()]
+        if candidates_only:
+            sorted_values, order = candidates[index], candidate_ids[index]
+            outside = torch.where(no_top_k[index, None], full_log_total[index], float("nan"))
+        else:
+            sorted_values, order = values[index].sort(dim=-1, descending=True)
+            outside = None
+        kept = _filter_sorted(sorted_values, chosen, outside)
+        picked = _inverse_cdf(kept, uniforms[index.cpu()])
+        tokens[index] = order.gather(1, picked[:, None])[:, 0]
+    return tokens
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor, rows: list[SamplingRow], full_log_total: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k, top-p and min-p on logits sorted in descending order: dropped tokens -> -inf.
+    `full_log_total`: for candidates only, the log of the whole row's probability mass where
+    top-p must be measured against it (rows without top-k; NaN elsewhere)."""
+    device = sorted_logits.device
+    width = sorted_logits.shape[1]
+    ranks = torch.arange(width, device=device)[None, :]
+    top_k = torch.tensor([r.top_k or width for r in rows], device=device)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     top_p = torch.tensor([r.top_p for r in rows], device=device)[:, None]
     if (top_p < 1.0).any():
-        probs = sorted_logits.softmax(dim=-1)
+        log_total = sorted_logits.logsumexp(dim=-1, keepdim=True)
+        if full_log_total is not None:
+            log_total = torch.where(full_log_total.isnan(), log_total, full_log_total)
+        probs = (sorted_logits - log_total).exp()
         # Drop a token when the ones before it already reach top_p (the top token stays).
         drop = ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -155,14 +223,32 @@ def _draw(logits: torch.Tensor, draws: list[tuple[SamplingRow, int]]) -> torch.T
     if (min_p > 0.0).any():
         probs = sorted_logits.softmax(dim=-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    probs = filtered.softmax(dim=-1)
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-    noise = torch.empty_like(probs)
-    for i, (_, seed) in enumerate(draws):
-        generator = torch.Generator(device=device).manual_seed(seed)
-        noise[i].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    return sorted_logits
+
+
+def _inverse_cdf(values: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the index drawn from softmax(values) by its uniform number."""
+    probs = values.softmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    thresholds = (uniforms.to(values.device) * cdf[:, -1])[:, None]
+    # The first index whose cumulative probability passes the threshold: index i is drawn
+    # for thresholds in [cdf[i-1], cdf[i]), so with probability p_i, never one of p 0.
+    picked = torch.searchsorted(cdf, thresholds, right=True)[:, 0]
+    width = probs.shape[1]
+    overflow = picked >= width  # u * total rounded up to total: the last index with p > 0
+    if overflow.any():
+        last = width - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        picked = torch.where(overflow, last, picked)
+    return picked
+
+
+def _uniform(seed: int) -> float:
+    """A uniform number in [0, 1) from a row's seed (already mixed with the output position,
+    step_plan.mix_seed): splitmix64's finaliser once more, the top 53 bits."""
+    state = (seed ^ 0x2545F4914F6CDD1D) * 0xBF58476D1CE4E5B9 & _MASK64
+    state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
+    state ^= state >> 31
+    return (state >> 11) * 2.0**-53
 
 
 def _logprobs(

@@ -290,3 +290,29 @@ def test_prompt_logprobs_score_each_row_against_the_token_it_predicts():
     for i, entry in enumerate(scored):
         assert abs(entry.logprob - reference[i, entry.token_id].item()) < 1e-5
         assert [t for t, _ in entry.top] == reference[i].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"top_p": 0.9},
+        {"top_p": 0.5, "min_p": 0.05},
+        {"top_k": 8},
+        {"top_k": 8, "top_p": 0.8},
+        {"top_k": 40, "top_p": 0.95},  # top-k above the candidates: every token is sorted
+    ],
+)
+def test_filtered_rows_draw_the_same_from_candidates_as_from_a_full_sort(monkeypatch, filters):
+    """A filtered row may work on its best CANDIDATES tokens only; the draws equal those
+    of sorting the whole vocabulary, peaked rows (the candidates hold top_p) and flat rows
+    (they do not) alike, in one batch."""
+    generator = torch.Generator().manual_seed(5)
+    scales = torch.tensor([6.0, 0.3, 4.0, 0.1, 8.0, 1.0])[:, None]
+    logits = torch.randn(6, 400, generator=generator) * scales
+    sampler = Sampler()
+    for step in range(40):
+        rows = [row(seed=mix_seed(s, step), temperature=0.9, **filters) for s in range(6)]
+        monkeypatch.setattr(sampler_module, "CANDIDATES", 20)
+        from_candidates = draw(sampler, logits, rows)
+        monkeypatch.setattr(sampler_module, "CANDIDATES", 400)
+        assert draw(sampler, logits, rows) == from_candidates
