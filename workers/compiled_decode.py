@@ -37,7 +37,6 @@ the batch's guards are what choose between the one-row and the dynamic graph.)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import types
@@ -52,6 +51,9 @@ from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 
 logger = logging.getLogger(__name__)
 
+# Every dynamic size its own symbol (see the module's docstring). Made once: a patch object
+# may be entered again and again, and making one costs ~20 us (it defines a class).
+_TRACING_CONFIG = torch.fx.experimental._config.patch(use_duck_shape=False)
 # Rows of the warm-up batches: one, and the first size of the dynamic graph.
 WARM_UP_ROWS = (1, 2)
 
@@ -73,7 +75,7 @@ class CompiledDecode:
         if not self.enabled:
             return self.model(batch, caches)
         self.num_compiled_steps += 1
-        with _tracing_config():
+        with _TRACING_CONFIG:
             return self.compiled(self.model, batch, caches)
 
     @torch.inference_mode()
@@ -86,7 +88,7 @@ class CompiledDecode:
         saved = [(pool, pool[:touched].clone()) for pool in _pools(caches)]
         start = time.perf_counter()
         try:
-            with _tracing_config():
+            with _TRACING_CONFIG:
                 for rows in WARM_UP_ROWS:
                     if rows <= max_rows:
                         self.compiled(self.model, _warm_up_batch(rows, caches), caches)
@@ -110,11 +112,6 @@ def _own_copy(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     shared with any other copy (see the module's docstring)."""
     code = function.__code__.replace()
     return types.FunctionType(code, function.__globals__, function.__name__)
-
-
-def _tracing_config() -> contextlib.AbstractContextManager[None]:
-    """Every dynamic size its own symbol (see the module's docstring)."""
-    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def _pools(caches: StateCaches) -> list[torch.Tensor]:
