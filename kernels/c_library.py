@@ -56,6 +56,31 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
         return None
 
 
+# (library name, symbol) -> the loaded function, or None where the library is not available.
+_functions: dict[tuple[str, str], ctypes._CFuncPtr | None] = {}
+
+
+def function(name: str, source: str, symbol: str, argtypes: list[type]) -> ctypes._CFuncPtr | None:
+    """`symbol` of the library built from `source` (`load`), returning void and taking
+    `argtypes`; None without the library. Looked up once per process."""
+    key = (name, symbol)
+    if key not in _functions:
+        library = load(name, source)
+        found = None
+        if library is not None:
+            found = getattr(library, symbol)
+            found.restype = None
+            found.argtypes = argtypes
+        _functions[key] = found
+    return _functions[key]
+
+
+def loaded(name: str, symbol: str) -> bool:
+    """Whether `function` has loaded `symbol` of library `name` (never builds: the compiled
+    decode step's tracer asks this)."""
+    return _functions.get((name, symbol)) is not None
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:

@@ -102,14 +102,9 @@ def _gemv_kernel() -> ctypes._CFuncPtr | None:
     # HYBRIDSERVE_KERNEL_BACKEND=reference means torch everywhere (read once per process).
     if os.environ.get(BACKEND_ENV) == "reference":
         return None
-    library = c_library.load("gemv", GEMV_SOURCE)
-    if library is None:
-        return None
-    function = library.gemv_f32
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    function.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    return function
+    argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return c_library.function("gemv", GEMV_SOURCE, "gemv_f32", argtypes)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -73,27 +73,18 @@ void ssm_update_f32(float *pool, int64_t slot_stride, const int64_t *slots, int6
 """
 
 
-_kernel: ctypes._CFuncPtr | None = None  # ssm_update_f32, once build() has loaded it
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
+_ARGTYPES += [ctypes.c_void_p] * 7
 
 
 def build() -> bool:
     """Compile (or find in the cache) and load the kernel, once per process; whether it is
     usable."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _load()
-    return _kernel is not None
+    return _kernel() is not None
 
 
-def _load() -> ctypes._CFuncPtr | None:
-    library = c_library.load("ssm_update", SOURCE)
-    if library is None:
-        return None
-    function = library.ssm_update_f32
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
-    function.argtypes += [ctypes.c_void_p] * 7
-    return function
+def _kernel() -> ctypes._CFuncPtr | None:
+    return c_library.function("ssm_update", SOURCE, "ssm_update_f32", _ARGTYPES)
 
 
 def available(ssm_pool: torch.Tensor) -> bool:
@@ -101,7 +92,7 @@ def available(ssm_pool: torch.Tensor) -> bool:
     on the CPU, each (slot, layer) one contiguous (H, P, N) block, and the kernel built
     (`build`)."""
     return (
-        _kernel is not None
+        c_library.loaded("ssm_update", "ssm_update_f32")
         and ssm_pool.device.type == "cpu"
         and ssm_pool.dtype == torch.float32
         and ssm_pool.dim() == 5
@@ -161,7 +152,8 @@ def _update(
     D: torch.Tensor | None,
 ) -> torch.Tensor:
     """The kernel on one layer's (num_slots, H, P, N) states, dt prepared; fp32 y."""
-    assert _kernel is not None, "the kernel before build(): check available() first"
+    kernel = _kernel()
+    assert kernel is not None, "the kernel before build(): check available() first"
     rows, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     x, dt, A = (t.contiguous().float() for t in (x, dt, A))
@@ -169,7 +161,7 @@ def _update(
     slots = slots.contiguous().long()
     D = None if D is None else D.contiguous().float()
     y = torch.empty((rows, H, P), dtype=torch.float32)
-    _kernel(
+    kernel(
         layer_states.data_ptr(),
         layer_states.stride(0),
         slots.data_ptr(),

@@ -39,7 +39,10 @@ TRITON_MODULES = {
     "gated_rms_norm": "norm",
 }
 # Public kernel name -> its CPU kernel ("module:function" under `hybridserve.kernels`).
-CPU_KERNELS = {"selective_state_update": "cpu_state_update:selective_state_update"}
+CPU_KERNELS = {
+    "selective_state_update": "cpu_state_update:selective_state_update",
+    "paged_attention_decode": "cpu_attention:paged_attention_decode",
+}
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 _logged: set[str] = set()

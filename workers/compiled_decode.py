@@ -10,9 +10,11 @@ What the compiler traces differs from the eager step in three places, each behin
 - Mamba states and KV blocks are written through (pool, layer), not per-layer views
   (`kernels.reference.pooled`): a write through a view of a graph input would copy the whole
   pool back every step.
-- Packed CPU GEMMs are one opaque operator (`cpu_gemm.packed_linear`), and so is the SSM
-  state update when its C kernel is built (`cpu_state_update.ssm_update_`): the compiler's
-  own loop writes the new states to a temporary and copies them back, twice the traffic.
+- Packed CPU GEMMs are one opaque operator (`cpu_gemm.packed_linear`), and so are the SSM
+  state update and the decode attention when their C kernels are built
+  (`cpu_state_update.ssm_update_`: the compiler's own loop writes the new states to a
+  temporary and copies them back, twice the traffic; `cpu_attention.attention_decode`: the
+  traced reference gathers every row's keys and values before attending).
 - The dispatched kernels trace their torch reference; the compiler generates the kernel.
 
 Shapes are dynamic: one graph serves every batch of two or more rows and every block-table
@@ -28,9 +30,11 @@ and runs every step eagerly.
 Guards: before each call the compiler checks that what it traced still holds: ~1,200 checks,
 0.3 ms of a 4 ms step at one row, 1,050 of them on the model (its modules' hooks, attributes,
 parameters). The model is fixed once loaded, so those are skipped and the batch's and the
-globals' checks kept. That is safe only if no other model can reach these graphs, and the
-compiler keeps graphs per code object: so each instance compiles a function of its own
-(`_own_copy`), never the class's `forward` that every engine of a family shares. (Skipping
+globals' checks kept. That is safe only if no other model and no other layer can reach these
+graphs, and the compiler keeps graphs per code object: so each instance compiles a function
+of its own (`_own_copy`), never the class's `forward` that every engine of a family shares,
+and the skip needs the step to be one graph (`fullgraph`): models with MoE layers, which
+break it, keep every guard. (Skipping
 every guard after the warm-up, `skip_guard_eval_unsafe`, picked a wrong graph for NemotronH:
 the batch's guards are what choose between the one-row and the dynamic graph.)
 """
@@ -45,9 +49,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridserve.kernels import cpu_state_update
+from hybridserve.kernels import cpu_attention, cpu_state_update
 from hybridserve.kernels.dispatch import kernel_backend
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
+from hybridserve.workers.layers.moe import MoE
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +66,16 @@ WARM_UP_ROWS = (1, 2)
 class CompiledDecode:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        # MoE layers break the graph (they size expert batches on the host); the compiler
+        # then compiles pieces of the layers' own `forward`, which all layers share: there,
+        # the model's guards are what tell one layer from another, so they stay.
+        one_graph = not any(isinstance(module, MoE) for module in model.modules())
+        skip_model_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         self.compiled = torch.compile(
             _own_copy(_decode_forward),
             dynamic=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            fullgraph=one_graph,
+            options={"guard_filter_fn": skip_model_guards} if one_graph else None,
         )
         self.enabled = True
         self.num_compiled_steps = 0  # decode steps the compiled graphs ran (warm-up excluded)
@@ -83,7 +94,9 @@ class CompiledDecode:
         """Compile both graphs with batches on the first slots and blocks; their contents are
         put back afterwards. With `max_rows` 1 only the one-row graph is compiled."""
         if kernel_backend(next(iter(_pools(caches)))) == "cpu":
-            cpu_state_update.build()  # before tracing: the tracer only reads whether it is built
+            # Before tracing: the tracer only reads whether they are built.
+            cpu_state_update.build()
+            cpu_attention.build()
         touched = max(WARM_UP_ROWS)  # slots (and at most blocks) the warm-up writes
         saved = [(pool, pool[:touched].clone()) for pool in _pools(caches)]
         start = time.perf_counter()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels import cpu_state_update
+from hybridserve.kernels import cpu_attention, cpu_state_update
+from hybridserve.kernels.cpu_attention import attention_decode
 from hybridserve.kernels.cpu_state_update import ssm_update_
 
 from ._common import expand_groups, prepare_dt
@@ -120,6 +121,8 @@ def attention_decode_pooled(
     Returns (Bt, H, D) in q.dtype. Every column of the table is read (its width, not the
     longest row, sets the shape, so the step needs no host sync); columns past a row's own
     last block read block 0 and are masked."""
+    if cpu_attention.available(kv_pool):
+        return attention_decode(q, kv_pool, layer, block_tables, seq_lens, scale).to(q.dtype)
     Bt, H, D = q.shape
     Hkv, block_size = kv_pool.shape[3], kv_pool.shape[4]
     num_cols = block_tables.shape[1]

@@ -101,7 +101,7 @@ def test_the_compiled_step_updates_the_pool_in_place_through_the_kernel(monkeypa
     compiled = torch.compile(state_update_pooled, dynamic=True, fullgraph=True)
     y = compiled(pool, LAYER, *args, state_slots=rows, **options)
 
-    monkeypatch.setattr(cpu_state_update, "_kernel", None)
+    monkeypatch.setattr(c_library, "_functions", {("ssm_update", "ssm_update_f32"): None})
     expected_pool = inputs["pool"].clone()
     expected = state_update_pooled(expected_pool, LAYER, *args, state_slots=rows, **options)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
@@ -111,7 +111,7 @@ def test_the_compiled_step_updates_the_pool_in_place_through_the_kernel(monkeypa
 def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setattr(c_library, "CACHE_DIR", tmp_path)
-    monkeypatch.setattr(cpu_state_update, "_kernel", None)
+    monkeypatch.setattr(c_library, "_functions", {})
     c_library.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=c_library.__name__):
