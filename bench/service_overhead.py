@@ -10,7 +10,10 @@ On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the sm
 Offline is `Engine.step` driven in this process (a token counts when its step returns it).
 The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
 the official `openai` client streaming completions (a token counts when its chunk arrives).
-Ratios are service / offline.
+Ratios are service / offline. The service runs once per `--torch-threads` value (CPU threads
+per engine; default 1 and 2): offline, the engine has the machine to itself, while a served
+engine shares it with the HTTP path (proxy, ingress, the client), and on a small machine an
+engine that takes every core slows that path more than it gains.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from hybridserve.workers import LLM, SamplingParams
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
 BATCH, BATCH_PROMPT, BATCH_OUTPUT = 32, 128, 64
 ENGINE = {"max_num_seqs": BATCH, "max_model_len": 1024, "max_num_batched_tokens": 2048}
+SHAPES = {
+    "colocated": {"num_prefill": 0, "num_decode": 1},
+    "1P1D": {"num_prefill": 1, "num_decode": 1},
+}
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,11 @@ async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[f
 
 
 def served(
-    folder: Path, shape: dict[str, int], latency: list[Prompt], batch: list[Prompt]
+    folder: Path,
+    shape: dict[str, int],
+    torch_threads: int,
+    latency: list[Prompt],
+    batch: list[Prompt],
 ) -> dict[str, float]:
     import openai
 
@@ -130,7 +141,7 @@ def served(
         "model": str(folder),
         "served_model_name": model,
         "engine": ENGINE,
-        "torch_threads": 2,
+        "torch_threads": torch_threads,
     }
     local.connect_ray()
     try:
@@ -165,6 +176,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
     parser.add_argument("--rounds", type=int, default=5, help="single requests per system")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="CPU threads per engine of the service, one run each (offline uses torch's default)",
+    )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
     latency = prompts(args.rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed=1)
@@ -172,19 +190,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_checkpoint(folder, quick=args.quick)
-        systems = {
-            "offline": offline(folder, latency, batch),
-            "colocated": served(folder, {"num_prefill": 0, "num_decode": 1}, latency, batch),
-            "1P1D": served(folder, {"num_prefill": 1, "num_decode": 1}, latency, batch),
-        }
+        systems = {"offline": offline(folder, latency, batch)}
+        for threads in args.torch_threads:
+            for name, shape in SHAPES.items():
+                systems[f"{name} t={threads}"] = served(folder, shape, threads, latency, batch)
     base = systems["offline"]
-    print(f"{'system':>10} {'TTFT':>10} {'ITL':>9} {'tok/s @32':>10}   vs offline")
+    print(f"{'system':>15} {'TTFT':>10} {'ITL':>9} {'tok/s @32':>10}   vs offline")
     for name, figures in systems.items():
         added = figures["ttft_ms"] - base["ttft_ms"]
         itl = figures["itl_ms"] / base["itl_ms"]
         rate = figures["output_tokens_per_s"] / base["output_tokens_per_s"]
         print(
-            f"{name:>10} {figures['ttft_ms']:>8.1f}ms {figures['itl_ms']:>7.2f}ms "
+            f"{name:>15} {figures['ttft_ms']:>8.1f}ms {figures['itl_ms']:>7.2f}ms "
             f"{figures['output_tokens_per_s']:>10.1f}   TTFT {added:+.1f} ms, ITL {itl:.2f}x, "
             f"tok/s {rate:.0%}"
         )
