@@ -367,13 +367,15 @@ def _sampling_row(request: Request) -> SamplingRow:
     position = request.num_output_tokens
     banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
     # The first draw of an n > 1 request also draws its other choices' first tokens.
-    seeds = (request.sample_seed, *(request.choice_seeds if position == 0 else ()))
+    seeds = (mix_seed(request.sample_seed, position),)
+    if position == 0 and request.choice_seeds:
+        seeds += tuple(mix_seed(seed, position) for seed in request.choice_seeds)
     penalised = params.uses_penalties
     return SamplingRow(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seeds=tuple(mix_seed(seed, position) for seed in seeds),
+        seeds=seeds,
         min_p=params.min_p,
         banned_token_ids=banned,
         logit_bias=params.logit_bias,
