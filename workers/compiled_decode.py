@@ -34,9 +34,9 @@ globals' checks kept. That is safe only if no other model and no other layer can
 graphs, and the compiler keeps graphs per code object: so each instance compiles a function
 of its own (`_own_copy`), never the class's `forward` that every engine of a family shares,
 and the skip needs the step to be one graph (`fullgraph`): models with MoE layers, which
-break it, keep every guard. (Skipping
-every guard after the warm-up, `skip_guard_eval_unsafe`, picked a wrong graph for NemotronH:
-the batch's guards are what choose between the one-row and the dynamic graph.)
+break it, keep every guard. (Skipping every guard after the warm-up, `skip_guard_eval_unsafe`,
+picked a wrong graph for NemotronH: the batch's guards choose between the one-row and the
+dynamic graph.)
 """
 
 from __future__ import annotations
