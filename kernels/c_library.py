@@ -1,4 +1,5 @@
-"""Small C kernels for the CPU: compiled at first use, cached on disk, called through ctypes.
+"""Small C kernels for the CPU: compiled at first use, cached on disk, called through ctypes;
+and the C++ that registers them as torch operators (`load_torch_operators`).
 
 Plain C with no torch headers compiles in a fraction of a second (`-O3 -march=native
 -fopenmp`: the loops vectorise, and OpenMP shares the libgomp torch has loaded, so the kernels
@@ -31,25 +32,58 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 def load(name: str, source: str) -> ctypes.CDLL | None:
     """The library built from `source` (logged as `name`), or None."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    path = _built(name, source, ".c", compiler, [*FLAGS, "-lm"])
+    return None if path is None else ctypes.CDLL(str(path))
+
+
+@functools.cache
+def load_torch_operators(name: str, source: str) -> bool:
+    """Build C++ `source` against this torch (`TORCH_LIBRARY_IMPL` registrations: torch
+    headers make this a ~10 s build, cached like the C libraries) and load it into the
+    dispatcher; whether that worked."""
+    import torch
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    for folder in cpp_extension.include_paths():
+        flags += ["-isystem", folder]
+    for folder in cpp_extension.library_paths():
+        flags += [f"-L{folder}", f"-Wl,-rpath,{folder}"]
+    flags += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    # The torch version in the source, so the cache key changes with it (the C++ ABI does).
+    path = _built(name, f"// torch {torch.__version__}\n{source}", ".cpp", compiler, flags)
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        logger.warning("%s: loading the operators failed, torch runs instead (%s)", name, error)
+        return False
+    return True
+
+
+def _built(
+    name: str, source: str, suffix: str, compiler: str | None, flags: list[str]
+) -> Path | None:
+    """The shared library compiled from `source` with `flags` (cached by a hash of all of it,
+    the compiler and the CPU), or None (logged) without a compiler or when the build fails."""
     if compiler is None:
-        logger.info("%s: no C compiler; torch runs instead", name)
+        logger.info("%s: no compiler; torch runs instead", name)
         return None
-    key = " ".join((source, compiler, *FLAGS, platform.machine(), _cpu_flags()))
+    key = " ".join((source, compiler, *flags, platform.machine(), _cpu_flags()))
     path = CACHE_DIR / "kernels" / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                source_file, built = Path(tmp) / f"{name}.c", Path(tmp) / path.name
+                source_file, built = Path(tmp) / f"{name}{suffix}", Path(tmp) / path.name
                 source_file.write_text(source)
-                subprocess.run(
-                    [compiler, *FLAGS, str(source_file), "-o", str(built), "-lm"],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
+                command = [compiler, str(source_file), "-o", str(built), *flags]
+                subprocess.run(command, check=True, capture_output=True, text=True)
                 os.replace(built, path)
-        return ctypes.CDLL(str(path))
+        return path
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("%s: building the C kernel failed, torch runs instead (%s)", name, detail)

@@ -14,9 +14,9 @@ per row and query head; the query heads that share a KV head are done together, 
 and value is read once for all of them. `acc / l` is the output. Rows with seq_len 0 output
 zeros (the decode graphs' padding rows).
 
-Built like the state-update kernel (`c_library`, ctypes); registered as
-`hybridserve::attention_decode`, which the compiled decode step calls as is, and serving
-`paged_attention_decode` for the eager CPU path (`dispatch.CPU_KERNELS`). fp32 caches only;
+Built like the state-update kernel (`c_library`, ctypes); serving `paged_attention_decode`
+for the eager CPU path (`dispatch.CPU_KERNELS`) and, as the operator
+`hybridserve::attention_decode` (kernels/cpu_ops.py), the compiled decode step. fp32 caches only;
 anything else, or no compiler, runs the reference. Tests: tests/kernels/test_cpu_attention.py.
 """
 
@@ -198,10 +198,10 @@ _ARGTYPES = (
 def build() -> bool:
     """Compile (or find in the cache) and load the kernel, once per process; whether it is
     usable."""
-    return _kernel() is not None
+    return kernel() is not None
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
+def kernel() -> ctypes._CFuncPtr | None:
     return c_library.function("attention_decode", SOURCE, "attention_decode_f32", _ARGTYPES)
 
 
@@ -250,14 +250,14 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:
     """The kernel on (num_blocks, Hkv, block_size, D) key and value views; fp32 output."""
-    kernel = _kernel()
-    assert kernel is not None, "the kernel before build(): check available() first"
+    run = kernel()
+    assert run is not None, "the kernel before build(): check available() first"
     rows, H, D = q.shape
     Hkv, block_size = key_cache.shape[1], key_cache.shape[2]
     q = q.contiguous().float()
     tables, lens = block_tables.contiguous().long(), seq_lens.contiguous().long()
     out = torch.empty((rows, H, D), dtype=torch.float32)
-    kernel(
+    run(
         q.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
@@ -274,39 +274,3 @@ def _attend(
         out.data_ptr(),
     )
     return out
-
-
-_LIBRARY = torch.library.Library("hybridserve", "FRAGMENT")
-_LIBRARY.define(
-    "attention_decode(Tensor q, Tensor kv_pool, int layer, Tensor block_tables, "
-    "Tensor seq_lens, float scale) -> Tensor"
-)
-
-
-def _attention_decode(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return _attend(q, kv_pool[:, layer, 0], kv_pool[:, layer, 1], block_tables, seq_lens, scale)
-
-
-_LIBRARY.impl("attention_decode", _attention_decode, "CPU")
-
-
-@torch.library.register_fake("hybridserve::attention_decode")
-def _attention_decode_shape(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return q.new_empty(q.shape, dtype=torch.float32)
-
-
-attention_decode = torch.ops.hybridserve.attention_decode.default

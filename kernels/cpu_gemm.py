@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +50,6 @@ void gemv_f32(const float *W, int64_t out, int64_t in, const float *x, int64_t r
     }
 }
 """
-# Packed weights by their plain weight's data pointer, for `packed_linear`; the layer that
-# packed a weight owns both.
-_packed_by_address: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -93,12 +89,12 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.is_contiguous()
         and (bias is None or bias.dtype == torch.float32)
         and not torch.is_grad_enabled()
-        and _gemv_kernel() is not None
+        and gemv_kernel() is not None
     )
 
 
 @functools.cache
-def _gemv_kernel() -> ctypes._CFuncPtr | None:
+def gemv_kernel() -> ctypes._CFuncPtr | None:
     # HYBRIDSERVE_KERNEL_BACKEND=reference means torch everywhere (read once per process).
     if os.environ.get(BACKEND_ENV) == "reference":
         return None
@@ -108,7 +104,7 @@ def _gemv_kernel() -> ctypes._CFuncPtr | None:
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    kernel = _gemv_kernel()
+    kernel = gemv_kernel()
     assert kernel is not None
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
@@ -124,38 +120,3 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         y.data_ptr(),
     )
     return y
-
-
-def register_packed(weight: torch.Tensor, packed: torch.Tensor) -> None:
-    """Let `packed_linear(x, weight, ...)` find `packed` while its owner keeps it alive."""
-    _packed_by_address[weight.data_ptr()] = packed
-
-
-# `packed_linear`: `linear` with `weight`'s registered packed copy, as one opaque operator.
-# The compiled decode step calls the GEMM through it, because torch.compile cannot trace
-# oneDNN's packed tensors (and its own packing, under `freezing`, picks MKL's slower GEMM and
-# keeps a third copy of every weight). The copy is found by the weight's address, not passed
-# as a constant, so every engine of one model compiles the same graph (inductor's cache hits).
-# A plain library definition with a CPU kernel, not `torch.library.custom_op`: the latter's
-# Python wrappers cost about 12 us a call, 0.3 ms of a 28-GEMM decode step; this costs ~2 us.
-_LIBRARY = torch.library.Library("hybridserve", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-def _packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return linear(x, weight, bias, _packed_by_address.get(weight.data_ptr()))
-
-
-_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
-
-
-@torch.library.register_fake("hybridserve::packed_linear")
-def _packed_linear_shape(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-packed_linear = torch.ops.hybridserve.packed_linear.default

@@ -10,11 +10,11 @@ dot product in the same loop:
 
     S = exp(dt * A) * S + dt * outer(x, B);   y = S @ C + D * x        (per row and head)
 
-It is C built at first use (`c_library`, about 0.2 s), called through ctypes and registered
-as `hybridserve::ssm_update_`, an operator `torch.compile` calls as is. `build()` compiles or
-loads it (the compiled decode step calls it before tracing, so the tracer only reads a flag);
-without a compiler, or when the build fails, `available` is False and callers run the torch
-reference. Tests compare the two (tests/kernels/test_cpu_state_update.py).
+It is C built at first use (`c_library`, about 0.2 s) and called through ctypes here (the
+eager step); the compiled step calls it as the operator `hybridserve::ssm_update_`
+(kernels/cpu_ops.py). `build()` compiles or loads it; without a compiler, or when the build
+fails, `available` is False and callers run the torch reference. Tests compare the two
+(tests/kernels/test_cpu_state_update.py).
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ _ARGTYPES += [ctypes.c_void_p] * 7
 def build() -> bool:
     """Compile (or find in the cache) and load the kernel, once per process; whether it is
     usable."""
-    return _kernel() is not None
+    return kernel() is not None
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
+def kernel() -> ctypes._CFuncPtr | None:
     return c_library.function("ssm_update", SOURCE, "ssm_update_f32", _ARGTYPES)
 
 
@@ -98,13 +98,6 @@ def available(ssm_pool: torch.Tensor) -> bool:
         and ssm_pool.dim() == 5
         and ssm_pool[0, 0].is_contiguous()
     )
-
-
-_LIBRARY = torch.library.Library("hybridserve", "FRAGMENT")
-_LIBRARY.define(
-    "ssm_update_(Tensor(a!) ssm_pool, int layer, Tensor x, Tensor dt, Tensor A, Tensor B, "
-    "Tensor C, Tensor slots, Tensor? D) -> Tensor"
-)
 
 
 def selective_state_update(
@@ -152,8 +145,8 @@ def _update(
     D: torch.Tensor | None,
 ) -> torch.Tensor:
     """The kernel on one layer's (num_slots, H, P, N) states, dt prepared; fp32 y."""
-    kernel = _kernel()
-    assert kernel is not None, "the kernel before build(): check available() first"
+    run = kernel()
+    assert run is not None, "the kernel before build(): check available() first"
     rows, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     x, dt, A = (t.contiguous().float() for t in (x, dt, A))
@@ -161,7 +154,7 @@ def _update(
     slots = slots.contiguous().long()
     D = None if D is None else D.contiguous().float()
     y = torch.empty((rows, H, P), dtype=torch.float32)
-    kernel(
+    run(
         layer_states.data_ptr(),
         layer_states.stride(0),
         slots.data_ptr(),
@@ -179,38 +172,3 @@ def _update(
         y.data_ptr(),
     )
     return y
-
-
-def _ssm_update(
-    ssm_pool: torch.Tensor,
-    layer: int,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    slots: torch.Tensor,
-    D: torch.Tensor | None,
-) -> torch.Tensor:
-    return _update(ssm_pool[:, layer], x, dt, A, B, C, slots, D)
-
-
-_LIBRARY.impl("ssm_update_", _ssm_update, "CPU")
-
-
-@torch.library.register_fake("hybridserve::ssm_update_")
-def _ssm_update_shape(
-    ssm_pool: torch.Tensor,
-    layer: int,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    slots: torch.Tensor,
-    D: torch.Tensor | None,
-) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.float32)
-
-
-ssm_update_ = torch.ops.hybridserve.ssm_update_.default

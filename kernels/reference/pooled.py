@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels import cpu_attention, cpu_state_update
-from hybridserve.kernels.cpu_attention import attention_decode
-from hybridserve.kernels.cpu_state_update import ssm_update_
+from hybridserve.kernels import cpu_attention, cpu_ops, cpu_state_update
 
 from ._common import expand_groups, prepare_dt
 
@@ -69,12 +67,13 @@ def state_update_pooled(
     """ssm_pool: (num_slots, num_layers, H, P, N), updated in place at (state_slots, layer);
     x: (Bt, H, P); dt: (Bt, H); A: (H,); B, C: (Bt, G, N). Returns (Bt, H, P) in x.dtype:
     S = exp(dt' * A) * S + dt' * outer(x, B);  y = S @ C + D * x.
-    On the CPU with fp32 states, one C kernel pass per state (kernels/cpu_state_update.py)."""
+    On the CPU with fp32 states, one C kernel pass per state (kernels/cpu_state_update.py,
+    called as `cpu_ops.ssm_update_`)."""
     slots = state_slots.long()
     H = x.shape[1]
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)  # (Bt, H)
-    if cpu_state_update.available(ssm_pool):
-        return ssm_update_(ssm_pool, layer, x, dt, A, B, C, slots, D).to(x.dtype)
+    if cpu_ops.loaded() and cpu_state_update.available(ssm_pool):
+        return cpu_ops.ssm_update_(ssm_pool, layer, x, dt, A, B, C, slots, D).to(x.dtype)
     xf = x.float()
     B, C = expand_groups(B, H), expand_groups(C, H)  # (Bt, H, N)
     states = ssm_pool[slots, layer].float()  # (Bt, H, P, N)
@@ -121,8 +120,9 @@ def attention_decode_pooled(
     Returns (Bt, H, D) in q.dtype. Every column of the table is read (its width, not the
     longest row, sets the shape, so the step needs no host sync); columns past a row's own
     last block read block 0 and are masked."""
-    if cpu_attention.available(kv_pool):
-        return attention_decode(q, kv_pool, layer, block_tables, seq_lens, scale).to(q.dtype)
+    if cpu_ops.loaded() and cpu_attention.available(kv_pool):
+        out = cpu_ops.attention_decode(q, kv_pool, layer, block_tables, seq_lens, scale)
+        return out.to(q.dtype)
     Bt, H, D = q.shape
     Hkv, block_size = kv_pool.shape[3], kv_pool.shape[4]
     num_cols = block_tables.shape[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridserve import kernels
-from hybridserve.kernels import c_library, cpu_attention, dispatch
+from hybridserve.kernels import c_library, cpu_attention, cpu_ops, dispatch
 from hybridserve.kernels.reference import paged_attention_decode_ref
 from hybridserve.kernels.reference.pooled import attention_decode_pooled
 
@@ -63,6 +63,15 @@ def test_the_kernel_matches_the_reference_and_zeroes_padding_rows(seed):
     assert not out[SEQ_LENS.index(0)].any(), "a row without context outputs zeros"
 
 
+def test_the_operator_matches_the_reference():
+    """`cpu_ops.attention_decode` (C++ calling the kernel) on (pool, layer)."""
+    assert cpu_ops.build()
+    q, pool, tables = make_inputs(5)
+    out = cpu_ops.attention_decode(q, pool, LAYER, tables, torch.tensor(SEQ_LENS), SCALE)
+    torch.testing.assert_close(out, reference(q, pool, tables), rtol=1e-5, atol=1e-5)
+    assert not out[SEQ_LENS.index(0)].any(), "a row without context outputs zeros"
+
+
 def test_cpu_tensors_dispatch_to_the_kernel(monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
     calls = []
@@ -90,7 +99,7 @@ def test_cpu_tensors_dispatch_to_the_kernel(monkeypatch):
 def test_the_compiled_step_attends_through_the_kernel(monkeypatch):
     """`attention_decode_pooled` compiled (the op is opaque to the compiler) against itself
     without the kernel (the traced gather and attention)."""
-    assert cpu_attention.build()
+    assert cpu_ops.build()
     q, pool, tables = make_inputs(3)
     real = [i for i, n in enumerate(SEQ_LENS) if n > 0]  # the compiled step has no padding
     q, tables = q[real], tables[real].clamp(min=0)

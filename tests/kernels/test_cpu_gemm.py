@@ -1,12 +1,15 @@
-"""oneDNN-packed small-batch linear equals the plain linear."""
+"""oneDNN-packed small-batch linear equals the plain linear, called from Python and as the
+compiled step's operator."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridserve.kernels import cpu_gemm
+from hybridserve.kernels import cpu_gemm, cpu_ops
 from hybridserve.kernels.cpu_gemm import SMALL_BATCH, can_pack, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +39,7 @@ def test_only_float32_cpu_weights_are_packed():
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_one_or_two_rows_take_the_c_matvec_and_match_torch(rows, with_bias, monkeypatch):
-    assert cpu_gemm._gemv_kernel() is not None, "CI has a C compiler: the mat-vec must build"
+    assert cpu_gemm.gemv_kernel() is not None, "CI has a C compiler: the mat-vec must build"
     calls = []
     gemv = cpu_gemm._gemv
     monkeypatch.setattr(cpu_gemm, "_gemv", lambda *a: calls.append(1) or gemv(*a))
@@ -57,3 +60,31 @@ def test_three_rows_and_other_dtypes_stay_on_torch(monkeypatch):
     with torch.inference_mode():
         cpu_gemm.linear(torch.randn(3, 4), weight)
         cpu_gemm.linear(torch.randn(1, 4, dtype=torch.bfloat16), weight.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, SMALL_BATCH, SMALL_BATCH + 1, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_operator_finds_the_registered_packed_copy(rows, with_bias):
+    """`cpu_ops.packed_linear` uses the copy registered for a weight's address at 3 to
+    SMALL_BATCH rows, the C mat-vec below, the plain weight above: registering another
+    weight's copy shows which one it multiplied by."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, other = torch.randn(130, 96, generator=gen), torch.randn(130, 96, generator=gen)
+    bias = torch.randn(130, generator=gen) if with_bias else None
+    x = torch.randn(rows, 100, generator=gen)[:, 2:98]  # strided, as activations are
+    other_packed = pack_weight(other)
+    assert cpu_ops.register_packed(weight, other_packed)
+    with torch.inference_mode():
+        out = cpu_ops.packed_linear(x, weight, bias)
+    takes_packed = cpu_gemm.GEMV_ROWS < rows <= SMALL_BATCH
+    expected = F.linear(x, other if takes_packed else weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_released_packed_copy_is_not_used():
+    weight, other = torch.randn(40, 24), torch.randn(40, 24)
+    assert cpu_ops.register_packed(weight, pack_weight(other))  # dropped at once
+    gc.collect()
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_ops.packed_linear(x, weight, None), x @ weight.T)

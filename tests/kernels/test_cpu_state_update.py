@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hybridserve import kernels
-from hybridserve.kernels import c_library, cpu_state_update, dispatch
+from hybridserve.kernels import c_library, cpu_ops, cpu_state_update, dispatch
 from hybridserve.kernels.reference import selective_state_update_ref
+from hybridserve.kernels.reference._common import prepare_dt
 from hybridserve.kernels.reference.pooled import state_update_pooled
 
 SLOTS, LAYERS, LAYER, H, P, N, G = 9, 3, 1, 8, 16, 32, 2
@@ -70,6 +71,20 @@ def test_the_kernel_matches_the_reference_in_place_and_skips_padding(seed):
     assert not torch.equal(pool, inputs["pool"]), "the states were updated"
 
 
+def test_the_operator_matches_the_reference_in_place():
+    """`cpu_ops.ssm_update_` (C++ calling the kernel) on the whole pool, dt prepared."""
+    assert cpu_ops.build()
+    inputs = make_inputs(5)
+    pool, expected_pool = inputs["pool"].clone(), inputs["pool"].clone()
+    dt = prepare_dt(inputs["dt"], inputs["dt_bias"], True, (0.0, 4.0))
+    args = [inputs[k] for k in ("x",)] + [dt] + [inputs[k] for k in ("A", "B", "C")]
+    y = cpu_ops.ssm_update_(pool, LAYER, *args, torch.tensor(ROW_SLOTS), inputs["D"])
+    expected = run(selective_state_update_ref, inputs, expected_pool)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, expected_pool, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(pool, inputs["pool"]), "the states were updated"
+
+
 def test_cpu_tensors_dispatch_to_the_kernel(monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
     calls = []
@@ -89,7 +104,7 @@ def test_cpu_tensors_dispatch_to_the_kernel(monkeypatch):
 def test_the_compiled_step_updates_the_pool_in_place_through_the_kernel(monkeypatch):
     """`state_update_pooled` compiled (the op is opaque to the compiler) against itself
     without the kernel (torch's gather / index_put)."""
-    assert cpu_state_update.build()
+    assert cpu_ops.build()
     inputs = make_inputs(3)
     rows = torch.tensor([5, 0, 3, 8])  # every row real: the compiled step has no padding
     args = [inputs[k][: len(rows)] for k in ("x", "dt")]

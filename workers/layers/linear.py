@@ -12,13 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridserve.kernels.cpu_gemm import (
-    can_pack,
-    linear,
-    pack_weight,
-    packed_linear,
-    register_packed,
-)
+from hybridserve.kernels import cpu_ops
+from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
 from hybridserve.workers.parallel import ParallelContext
 
 Ranges = tuple[tuple[int, int], ...]
@@ -70,7 +65,8 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    # `packed is not None`, as a flag the compiler reads (it cannot look at an opaque tensor).
+    # Whether `cpu_ops.packed_linear` finds `packed`: a flag the compiler reads (it cannot
+    # look at an opaque tensor).
     is_packed: bool = False
 
     def pack_for_cpu(self) -> None:
@@ -78,13 +74,14 @@ class PackableLinear(nn.Module):
         apply (GPU, non-float32)."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight)
-            self.is_packed = True
-            register_packed(self.weight, self.packed)
+            self.is_packed = cpu_ops.register_packed(self.weight, self.packed)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.is_packed and torch.compiler.is_compiling():
-            return packed_linear(x, self.weight, bias)
-        return linear(x, self.weight, bias, self.packed)
+        if not torch.compiler.is_compiling():
+            return linear(x, self.weight, bias, self.packed)
+        if self.is_packed:
+            return cpu_ops.packed_linear(x, self.weight, bias)
+        return linear(x, self.weight, bias)  # the compiler cannot trace a packed copy
 
 
 class ColumnParallelLinear(PackableLinear):
