@@ -147,14 +147,15 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     the model (each linear layer and the LM head) multiplied once, as the engine multiplies
     it (pre-packed where the engine packs), nothing else. Median of `repeats` passes, in ms.
     A decode step streams each weight once, so it cannot be faster than this."""
-    from hybridserve.kernels.cpu_gemm import linear
-    from hybridserve.workers.layers.linear import PackableLinear
+    from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 
     model = llm.engine.executor.driver.model
-    weights = [(m.weight, m.packed) for m in model.modules() if isinstance(m, PackableLinear)]
-    weights.append((model.lm_head_weight, model.lm_head_packed))
+    weights = [
+        (m.weight, m.packed, m.is_packed) for m in model.modules() if isinstance(m, PackableLinear)
+    ]
+    weights.append((model.lm_head_weight, model.lm_head_packed, model.lm_head_is_packed))
     inputs = [
-        torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights
+        torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _, _ in weights
     ]
     sync = torch.cuda.synchronize if weights[0][0].is_cuda else lambda: None
     totals = []
@@ -162,8 +163,8 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
         for _ in range(repeats + 2):
             sync()
             start = time.perf_counter()
-            for (weight, packed), x in zip(weights, inputs, strict=True):
-                linear(x, weight, None, packed)
+            for (weight, packed, is_packed), x in zip(weights, inputs, strict=True):
+                packed_matmul(x, weight, None, packed, is_packed)
             sync()
             totals.append(time.perf_counter() - start)
     totals = sorted(totals[2:])  # the first two warm the caches

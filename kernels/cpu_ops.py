@@ -7,7 +7,8 @@ kernels/cpu_attention.py). A one-row step makes 36 such calls. Implemented in Py
 call went from the generated code through the dispatcher into the interpreter, which
 checked, converted and unpacked its arguments before the C kernel ran: 10-20 us a call, about
 0.4 ms of a 3.5-4 ms step. Here the implementations are a few lines of C++ (`SOURCE`) that
-call the same C kernels.
+call the same C kernels. Layers with a packed weight call `packed_linear` in eager steps too
+(`workers/layers/linear.packed_matmul`).
 
 The C kernels stay plain C built by `c_library` (no torch headers, `-march=native`); the C++
 is built against this process's torch (`c_library.load_torch_operators`, ~10 s the first time

@@ -60,6 +60,22 @@ def new_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def packed_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    is_packed: bool,
+) -> torch.Tensor:
+    """x weight^T + bias, with `packed` (a copy of weight, or None) where it helps; `is_packed`:
+    `cpu_ops.register_packed(weight, packed)` succeeded."""
+    if is_packed:  # eager or compiled: the C++ operator, no Python per call
+        return cpu_ops.packed_linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return linear(x, weight, bias)  # the compiler cannot trace a packed copy
+    return linear(x, weight, bias, packed)
+
+
 class PackableLinear(nn.Module):
     """A linear layer that may keep a CPU-packed copy of its weight for small batches."""
 
@@ -77,11 +93,7 @@ class PackableLinear(nn.Module):
             self.is_packed = cpu_ops.register_packed(self.weight, self.packed)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return linear(x, self.weight, bias, self.packed)
-        if self.is_packed:
-            return cpu_ops.packed_linear(x, self.weight, bias)
-        return linear(x, self.weight, bias)  # the compiler cannot trace a packed copy
+        return packed_matmul(x, self.weight, bias, self.packed, self.is_packed)
 
 
 class ColumnParallelLinear(PackableLinear):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
+from hybridserve.kernels import cpu_ops
+from hybridserve.kernels.cpu_gemm import can_pack, pack_weight
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.layers.attention import Attention
-from hybridserve.workers.layers.linear import PackableLinear
+from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
@@ -92,6 +93,7 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype, device)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_is_packed = False  # `cpu_ops.packed_linear` finds lm_head_packed
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -121,11 +123,15 @@ class HybridForCausalLM(nn.Module):
         self.lm_head_packed = (
             pack_weight(self.lm_head_weight) if can_pack(self.lm_head_weight) else None
         )
+        self.lm_head_is_packed = self.lm_head_packed is not None and cpu_ops.register_packed(
+            self.lm_head_weight, self.lm_head_packed
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(R, hidden) -> float32 logits (R, vocab) on rank 0; None on the other ranks (every
         rank computes its vocabulary rows, rank 0 gathers them)."""
-        local = linear(hidden, self.lm_head_weight, packed=self.lm_head_packed)
+        weight, packed = self.lm_head_weight, self.lm_head_packed
+        local = packed_matmul(hidden, weight, None, packed, self.lm_head_is_packed)
         logits = gather_logits(local, self.parallel, self.config.vocab_size)
         if logits is None:
             return None
