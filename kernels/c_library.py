@@ -86,7 +86,7 @@ def _built(
         return path
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.warning("%s: building the C kernel failed, torch runs instead (%s)", name, detail)
+        logger.warning("%s: the build failed, torch runs instead (%s)", name, detail)
         return None
 
 

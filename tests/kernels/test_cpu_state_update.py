@@ -131,7 +131,7 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger=c_library.__name__):
             assert not cpu_state_update.build()
-        assert "ssm_update: building the C kernel failed, torch runs instead" in caplog.text
+        assert "ssm_update: the build failed, torch runs instead" in caplog.text
         inputs = make_inputs(4)
         pool, expected_pool = inputs["pool"].clone(), inputs["pool"].clone()
         y = run(cpu_state_update.selective_state_update, inputs, pool)
