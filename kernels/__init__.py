@@ -3,8 +3,8 @@
 Each name runs the Triton kernel or the torch reference (`kernels.reference`, the CPU path and
 the oracle) with the same signature; `kernels.dispatch` picks per call. `rms_norm` is
 reference-only (torch's fused rms_norm is used on every device), so are the `*_pooled`
-decode kernels that the compiled decode step traces, and `cpu_gemm` is the CPU small-batch
-GEMM.
+decode kernels that the compiled decode step traces; `cpu_gemm` is the CPU small-batch GEMM,
+and `cpu_ops` the torch operators (C++) through which layers call the CPU kernels.
 """
 
 from __future__ import annotations
