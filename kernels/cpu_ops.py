@@ -64,8 +64,17 @@ AttentionDecode attention_decode_kernel = nullptr;
 int64_t gemv_rows = 0, small_batch = 0;
 
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+
+/* A packed copy and the storage of the weight it was packed from: an address alone could
+   be reused by another weight once this one's memory is freed. The weak reference keeps the
+   StorageImpl object (not its memory) alive, so no other storage can have its address. */
+struct Packed {
+    WeakStorage weight_storage;
+    WeakTensor packed;
+};
 std::mutex packed_mutex;
-std::unordered_map<const void *, WeakTensor> packed_by_address;
+std::unordered_map<const void *, Packed> packed_by_address;
 
 void bind_cpu_kernels(int64_t gemv_address, int64_t ssm_update_address,
                       int64_t attention_address, int64_t gemv_max_rows,
@@ -79,15 +88,22 @@ void bind_cpu_kernels(int64_t gemv_address, int64_t ssm_update_address,
 
 void register_packed(const at::Tensor &weight, const at::Tensor &packed) {
     std::lock_guard<std::mutex> lock(packed_mutex);
-    std::erase_if(packed_by_address, [](const auto &entry) { return entry.second.expired(); });
-    packed_by_address.insert_or_assign(weight.data_ptr(), WeakTensor(packed.getIntrusivePtr()));
+    std::erase_if(packed_by_address, [](const auto &entry) {
+        return entry.second.packed.expired() || entry.second.weight_storage.expired();
+    });
+    packed_by_address.insert_or_assign(
+        weight.data_ptr(), Packed{WeakStorage(weight.storage().getWeakStorageImpl()),
+                                  WeakTensor(packed.getIntrusivePtr())});
 }
 
 at::Tensor find_packed(const at::Tensor &weight) {
     std::lock_guard<std::mutex> lock(packed_mutex);
     auto found = packed_by_address.find(weight.data_ptr());
     if (found == packed_by_address.end()) return {};
-    auto packed = found->second.lock();
+    const auto &entry = found->second;
+    if (entry.weight_storage._unsafe_get_target() != weight.storage().unsafeGetStorageImpl())
+        return {};  // another weight now lives at this address
+    auto packed = entry.packed.lock();
     return packed ? at::Tensor(std::move(packed)) : at::Tensor();
 }
 

@@ -88,3 +88,19 @@ def test_a_released_packed_copy_is_not_used():
     x = torch.randn(5, 24)
     with torch.inference_mode():
         torch.testing.assert_close(cpu_ops.packed_linear(x, weight, None), x @ weight.T)
+
+
+def test_a_packed_copy_belongs_to_its_weight_not_to_its_address():
+    """Another tensor at the registered weight's address (its own storage, as a freed and
+    reused address would be) does not get the weight's packed copy."""
+    weight, other = torch.randn(40, 24), torch.randn(40, 24)
+    other_packed = pack_weight(other)
+    assert cpu_ops.register_packed(weight, other_packed)
+    same_address = torch.from_numpy(weight.numpy())  # a new storage over the same memory
+    assert same_address.data_ptr() == weight.data_ptr()
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_ops.packed_linear(x, weight, None), x @ other.T)
+        # An alias of the weight (as a compiled graph may pass it) shares its storage.
+        torch.testing.assert_close(cpu_ops.packed_linear(x, weight.detach(), None), x @ other.T)
+        torch.testing.assert_close(cpu_ops.packed_linear(x, same_address, None), x @ weight.T)
