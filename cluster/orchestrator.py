@@ -15,8 +15,9 @@ stream. The ingress runs it for every request; engines are reached through `Engi
                  recompute there, or end the request with an error
     5. stream    the decode engine's tokens, after the first one (no token travels twice)
 
-A prefill engine that dies only fails its transfer (the decode engine recomputes); a decode
-engine that dies ends the request with an error event. Either is reported as dead.
+A prefill engine that dies only fails its transfer (the decode engine recomputes, or, when
+the transfer had landed, continues and sends the first token itself); a decode engine that
+dies ends the request with an error event. Either is reported as dead.
 """
 
 from __future__ import annotations

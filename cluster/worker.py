@@ -43,6 +43,10 @@ from hybridserve.workers.disaggregation import Handoff
 
 logger = logging.getLogger(__name__)
 
+# Output tokens of a disaggregated request that the prefill side delivers (the first; an
+# expected stream on the decode side starts after them).
+PREFILL_TOKENS = 1
+
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
@@ -81,6 +85,13 @@ class _Stream:
             self.sink(event)
         else:
             self.queue.put_nowait(event)
+
+    def put_first(self, event: TokenEvent) -> None:
+        """On the loop: `event` ahead of every event still queued."""
+        queued = [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        self.accept(event)
+        for later in queued:
+            self.queue.put_nowait(later)
 
     def end(self, request_id: str, reason: str, error: str | None = None) -> None:
         """A last event: the request ended (aborted, or failed) for every choice."""
@@ -247,7 +258,7 @@ class EngineWorker:
         the prefill result), so this stream starts after it; the first tokens of its other
         choices (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
-        self._open(request_id, num_choices).num_sent[0] = 1
+        self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
         return self.address
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
@@ -255,10 +266,9 @@ class EngineWorker:
         the prefill engine died). The engine's failure policy decides: recompute here, or
         end the request with an error. `delivered`: output tokens the caller already has."""
         stream = self._expected_stream(request.request_id)
-        stream.num_sent[0] = delivered
         self._count_failure("transfer_failed")
         with self.lock:
-            self.engine.recover_lost_transfer(
+            held = self.engine.recover_lost_transfer(
                 request.prompt_token_ids,
                 request.params,
                 request_id=request.request_id,
@@ -266,7 +276,38 @@ class EngineWorker:
                 cache_salt=request.cache_salt,
                 stable_prompt_len=request.stable_prompt_len,
             )
+            if held is None:  # recomputed from the prompt: deliver from the caller's position
+                stream.num_sent[0] = delivered
+            else:
+                self._resend_missed(stream, held, delivered)
         self._wake.set()
+
+    def _resend_missed(self, stream: _Stream, held: RequestOutput, delivered: int) -> None:
+        """The transfer landed here, but the caller did not get the first token from the
+        prefill side (that engine died before replying). This stream starts after it
+        (`expect`), and later tokens may be queued already:
+
+            output tokens | 0 .. delivered | delivered .. FIRST  | FIRST ..
+                          | caller has     | missed: sent now,   | this stream's: queued
+                          |                | ahead of the queue  | or still to come
+
+        If the engine has no output yet (its receive is still pending), the stream simply
+        starts at `delivered`."""
+        missed = held.token_ids[delivered:PREFILL_TOKENS]
+        if not missed:
+            stream.num_sent[0] = min(stream.num_sent.get(0, 0), delivered)
+            return
+        logprobs = None
+        if held.logprobs is not None:
+            logprobs = [lp.to_wire() for lp in held.logprobs[delivered:PREFILL_TOKENS]]
+        event = TokenEvent(
+            held.request_id,
+            delivered,
+            list(missed),
+            num_cached_tokens=held.num_cached_tokens,
+            logprobs=logprobs,
+        )
+        stream.put_first(event)
 
     async def follow(self, request_id: str) -> AsyncIterator[TokenEvent]:
         """Decode role: the rest of an expected request's tokens, as the engine produces

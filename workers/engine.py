@@ -490,16 +490,17 @@ class Engine:
         reason: str,
         cache_salt: str | None = None,
         stable_prompt_len: int | None = None,
-    ) -> None:
+    ) -> RequestOutput | None:
         """Decode role: the transfer of `request_id` failed before this engine admitted it
         (the prefill side saw the failure, or the prefill engine died). The same policy as a
         receive that fails here decides (`DecodeReceives.settle`): recompute the request here
         (same id and seed: same tokens), or end it with an error (delivered by the next
-        step). Nothing happens if the request reached this engine: its own failure handling,
-        or its decoding, has it."""
+        step). Nothing is recomputed if the request reached this engine (the prefill engine
+        died after its transfer landed): its own failure handling, or its decoding, has it,
+        and its output so far is returned, so the caller can be given what it missed."""
         assert self.receives is not None, "recover_lost_transfer needs role=decode"
         if request_id in self._requests:
-            return
+            return self._requests[request_id].to_output()
         self.add_request(
             prompt,
             params,
@@ -513,6 +514,7 @@ class Engine:
         if request.is_finished:
             del self._requests[request_id]
             self._ended.append(request.to_output())
+        return None
 
     def _sweep_transfers(self) -> None:
         if self.handoffs is not None:

@@ -190,6 +190,43 @@ def test_a_dead_prefill_engine_is_reported_and_decode_recomputes(pair):
     assert_idle_at_baseline(decode)
 
 
+class DiesAfterHandingOff:
+    """A prefill engine killed after its transfer landed but before its reply reached the
+    caller: the decode engine runs the request from the transferred state (its stream starts
+    after the first token, and has queued later ones), and the caller never got the first."""
+
+    def __init__(self, prefill: EngineWorker, decode: EngineWorker) -> None:
+        self.prefill_engine, self.decode = prefill, decode
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
+        await self.prefill_engine.prefill(request, address)  # the reply is lost
+        stream = self.decode._streams[request.request_id]
+        for _ in range(500):  # until the decode engine queued a token after the first
+            if stream.queue.qsize():
+                break
+            await asyncio.sleep(0.01)
+        assert stream.queue.qsize(), "the decode engine never decoded the transferred request"
+        raise EngineDied("prefill")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"logprobs": 2}])
+def test_a_prefill_engine_dying_after_its_transfer_landed_loses_no_token(pair, sampling):
+    """The caller gets the first token from the decode engine, ahead of the ones it queued,
+    and every token exactly once (with its logprobs when asked for)."""
+    prefill, decode = pair
+    dead: list[str] = []
+    sent_before = prefill.links.bytes_sent
+    engines = {"prefill": DiesAfterHandingOff(prefill, decode), "decode": decode}
+    events = orchestrate(engines, request(**sampling), dead)
+    assert tokens_of(events) == offline(**sampling)
+    if sampling:
+        logprobs = [entry for event in events for entry in event.logprobs or []]
+        assert [entry[0] for entry in logprobs] == offline(**sampling)
+    assert dead == ["prefill"]
+    assert prefill.links.bytes_sent > sent_before  # the state did travel
+    assert_idle_at_baseline(prefill, decode)
+
+
 def test_an_invalid_request_is_an_error_event_not_a_crash(pair):
     prefill, decode = pair
     bad = request(prompt=[*PROMPT, 10_000])  # outside the vocabulary
