@@ -30,10 +30,10 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.request_stream import RequestStream, TokenSink, accept_all
 from hybridserve.cluster.transfer_links import TransferLinks
 from hybridserve.transceiver.endpoint import SendOutcome
 from hybridserve.transceiver.shards import RankShardsPort
@@ -50,53 +50,10 @@ PREFILL_TOKENS = 1
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
-# Takes a request's token events on the caller's loop (a subscriber's outbox).
-TokenSink = Callable[[TokenEvent], None]
 
 
 class EngineUnavailable(RuntimeError):
     """The engine is shutting down or stopped: the request was not taken."""
-
-
-@dataclass
-class _Stream:
-    """Where a request's events go, on the caller's loop: its `sink` once one is attached
-    (`submit`, `attach`), its queue until then."""
-
-    loop: asyncio.AbstractEventLoop
-    num_choices: int = 1
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-    sink: TokenSink | None = None
-    num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
-    finished: set[int] = field(default_factory=set)  # choices that ended
-    prefill_done: asyncio.Future[PrefillResult] | None = None
-    decode_address: tuple[str, int] | None = None
-    # The engine is done with the request here (its final output, or the prefill's transfer
-    # outcome): closing the stream has nothing to abort. A failed NIXL send's pages stay
-    # with the sender until the lease ends, as a late write may still land.
-    ended: bool = False
-
-    def put(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.accept, event)
-
-    def accept(self, event: TokenEvent) -> None:
-        """On the loop."""
-        if self.sink is not None:
-            self.sink(event)
-        else:
-            self.queue.put_nowait(event)
-
-    def put_first(self, event: TokenEvent) -> None:
-        """On the loop: `event` ahead of every event still queued."""
-        queued = [self.queue.get_nowait() for _ in range(self.queue.qsize())]
-        self.accept(event)
-        for later in queued:
-            self.queue.put_nowait(later)
-
-    def end(self, request_id: str, reason: str, error: str | None = None) -> None:
-        """A last event: the request ended (aborted, or failed) for every choice."""
-        offset = self.num_sent.get(0, 0)
-        self.put(TokenEvent(request_id, offset, finish_reason=reason, error=error, last=True))
 
 
 class EngineWorker:
@@ -116,7 +73,7 @@ class EngineWorker:
         self.name = name
         self.role = engine_config.role
         self.lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._event_sink = event_sink
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
@@ -268,7 +225,9 @@ class EngineWorker:
         stream = self._expected_stream(request.request_id)
         self._count_failure("transfer_failed")
         with self.lock:
-            held = self.engine.recover_lost_transfer(
+            # Output already delivered here means the transfer landed (the request may even
+            # have finished and left the engine): nothing to recompute.
+            held = stream.first_output or self.engine.recover_lost_transfer(
                 request.prompt_token_ids,
                 request.params,
                 request_id=request.request_id,
@@ -282,7 +241,7 @@ class EngineWorker:
                 self._resend_missed(stream, held, delivered)
         self._wake.set()
 
-    def _resend_missed(self, stream: _Stream, held: RequestOutput, delivered: int) -> None:
+    def _resend_missed(self, stream: RequestStream, held: RequestOutput, delivered: int) -> None:
         """The transfer landed here, but the caller did not get the first token from the
         prefill side (that engine died before replying). This stream starts after it
         (`expect`), and later tokens may be queued already:
@@ -348,7 +307,7 @@ class EngineWorker:
         it has ended."""
         self._close(request_id)
 
-    def _expected_stream(self, request_id: str) -> _Stream:
+    def _expected_stream(self, request_id: str) -> RequestStream:
         stream = self._streams.get(request_id)
         if stream is None:
             raise ValueError(f"request {request_id!r} is not expected on {self.name}")
@@ -425,10 +384,10 @@ class EngineWorker:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _open(self, request_id: str, num_choices: int = 1) -> _Stream:
+    def _open(self, request_id: str, num_choices: int = 1) -> RequestStream:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use on {self.name}")
-        stream = _Stream(asyncio.get_running_loop(), num_choices)
+        stream = RequestStream(asyncio.get_running_loop(), num_choices)
         self._streams[request_id] = stream
         return stream
 
@@ -456,7 +415,7 @@ class EngineWorker:
             )
         self._wake.set()
 
-    async def _drain(self, stream: _Stream) -> AsyncIterator[TokenEvent]:
+    async def _drain(self, stream: RequestStream) -> AsyncIterator[TokenEvent]:
         while True:
             event = await stream.queue.get()
             yield event
@@ -524,16 +483,16 @@ class EngineWorker:
                 )
 
     @staticmethod
-    def _dispatch(deliveries: list[tuple[_Stream, TokenEvent]]) -> None:
+    def _dispatch(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
         """A step's events, in one callback per event loop (one wake-up per step, and a
         subscriber's outbox sends them as one batch)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
         for stream, event in deliveries:
             by_loop.setdefault(stream.loop, []).append((stream, event))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_accept_all, items)
+            loop.call_soon_threadsafe(accept_all, items)
 
-    def _deliver(self, output: RequestOutput) -> tuple[_Stream, TokenEvent] | None:
+    def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
         """The new tokens of one choice, as an event for its request's stream."""
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
@@ -545,6 +504,8 @@ class EngineWorker:
                     self.engine.abort(request_id)
             return None
         index = output.index
+        if index == 0 and stream.first_output is None:
+            stream.first_output = output
         sent = stream.num_sent.get(index, 0)
         new = output.token_ids[sent:]
         if output.finish_reason is not None:
@@ -586,7 +547,7 @@ class EngineWorker:
             lambda outcome: self._shipped(stream, outcome),
         )
 
-    def _shipped(self, stream: _Stream, outcome: SendOutcome) -> None:
+    def _shipped(self, stream: RequestStream, outcome: SendOutcome) -> None:
         status = "handed_off" if outcome.ok else "transfer_failed"
         if not outcome.ok:
             self._count_failure(outcome.status)  # TransferSender has logged it
@@ -614,8 +575,3 @@ class EngineWorker:
                 self.engine.abort(request_id)
             stream.end(request_id, "error", reason)
         return len(streams)
-
-
-def _accept_all(items: list[tuple[_Stream, TokenEvent]]) -> None:
-    for stream, event in items:
-        stream.accept(event)

@@ -1,0 +1,63 @@
+"""One request's token events on an engine worker, on their way to its caller's loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hybridserve.cluster.messages import PrefillResult, TokenEvent
+from hybridserve.workers import RequestOutput
+
+# Takes a request's token events on the caller's loop (a subscriber's outbox).
+TokenSink = Callable[[TokenEvent], None]
+
+
+@dataclass
+class RequestStream:
+    """Where a request's events go, on the caller's loop: its `sink` once one is attached
+    (`submit`, `attach`), its queue until then."""
+
+    loop: asyncio.AbstractEventLoop
+    num_choices: int = 1
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    sink: TokenSink | None = None
+    num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
+    finished: set[int] = field(default_factory=set)  # choices that ended
+    prefill_done: asyncio.Future[PrefillResult] | None = None
+    decode_address: tuple[str, int] | None = None
+    # The engine is done with the request here (its final output, or the prefill's transfer
+    # outcome): closing the stream has nothing to abort. A failed NIXL send's pages stay
+    # with the sender until the lease ends, as a late write may still land.
+    ended: bool = False
+    # The engine's first output for choice 0 (all its tokens then, the prefill side's first
+    # included): what `EngineWorker.recover` resends if the caller never got that token.
+    first_output: RequestOutput | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        self.loop.call_soon_threadsafe(self.accept, event)
+
+    def accept(self, event: TokenEvent) -> None:
+        """On the loop."""
+        if self.sink is not None:
+            self.sink(event)
+        else:
+            self.queue.put_nowait(event)
+
+    def put_first(self, event: TokenEvent) -> None:
+        """On the loop: `event` ahead of every event still queued."""
+        queued = [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        self.accept(event)
+        for later in queued:
+            self.queue.put_nowait(later)
+
+    def end(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """A last event: the request ended (aborted, or failed) for every choice."""
+        offset = self.num_sent.get(0, 0)
+        self.put(TokenEvent(request_id, offset, finish_reason=reason, error=error, last=True))
+
+
+def accept_all(items: list[tuple[RequestStream, TokenEvent]]) -> None:
+    """On the loop: each event to its stream, in order."""
+    for stream, event in items:
+        stream.accept(event)
