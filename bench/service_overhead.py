@@ -6,14 +6,18 @@ colocated and 1 prefill + 1 decode, side by side in one run.
 On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small one):
 - latency: one request at a time, a 90-token prompt and 64 output tokens, `--rounds` times
   (fresh prompts): median time to first token and median inter-token latency;
-- throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s.
+- throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s,
+  best of 2.
 Offline is `Engine.step` driven in this process (a token counts when its step returns it).
 The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
-the official `openai` client streaming completions (a token counts when its chunk arrives).
-Ratios are service / offline. The service runs once per `--torch-threads` value (CPU threads
+the official `openai` client streaming completions (a token counts when its chunk arrives),
+at the ingress replica's own address when Serve runs with direct ingress (cluster/local.py),
+else through Serve's proxy. Each service shape is measured alternately with the offline
+engine, request by request and batch by batch, and its ratios (service / offline) are taken
+against those offline figures. The service runs once per `--torch-threads` value (CPU threads
 per engine; default 1 and 2): offline, the engine has the machine to itself, while a served
-engine shares it with the HTTP path (proxy, ingress, the client), and on a small machine an
-engine that takes every core slows that path more than it gains.
+engine shares it with the HTTP path (ingress, the client), and on a small machine an engine
+that takes every core slows that path more than it gains.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import asyncio
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,33 +77,29 @@ class TokenClock:
         self.last = now
 
 
-def offline(folder: Path, latency: list[Prompt], batch: list[Prompt]) -> dict[str, float]:
-    with LLM(str(folder), **ENGINE) as llm:
-        engine = llm.engine
-        ttfts, itls = [], []
-        for prompt in [latency[0], *latency]:  # the first warms up
-            params = SamplingParams(max_tokens=prompt.output_len, temperature=0.0, ignore_eos=True)
-            clock = TokenClock()
-            engine.add_request(prompt.token_ids, params)
-            while engine.has_unfinished_requests():
-                for _ in engine.step():
-                    clock.tick()
-            ttfts.append(clock.first)
-            itls.extend(clock.gaps)
-        ttfts, itls = ttfts[1:], itls[LATENCY_OUTPUT - 1 :]
-        start = time.perf_counter()
-        outputs = llm.generate(
-            [p.token_ids for p in batch],
-            SamplingParams(max_tokens=BATCH_OUTPUT, temperature=0.0, ignore_eos=True),
-            use_tqdm=False,
-        )
-        elapsed = time.perf_counter() - start
+def offline_latency(llm: LLM, prompt: Prompt) -> tuple[float, list[float]]:
+    """One request through `Engine.step` in this process: (time to first token, gaps)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=prompt.output_len, temperature=0.0, ignore_eos=True)
+    clock = TokenClock()
+    engine.add_request(prompt.token_ids, params)
+    while engine.has_unfinished_requests():
+        for _ in engine.step():
+            clock.tick()
+    assert clock.first is not None
+    return clock.first, clock.gaps
+
+
+def offline_throughput(llm: LLM, batch: list[Prompt]) -> float:
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [p.token_ids for p in batch],
+        SamplingParams(max_tokens=BATCH_OUTPUT, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outputs) == BATCH * BATCH_OUTPUT
-    return {
-        "ttft_ms": statistics.median(ttfts) * 1e3,
-        "itl_ms": statistics.median(itls) * 1e3,
-        "output_tokens_per_s": BATCH * BATCH_OUTPUT / elapsed,
-    }
+    return BATCH * BATCH_OUTPUT / elapsed
 
 
 async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[float]]:
@@ -127,13 +127,38 @@ async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[f
     return clock.first, clock.gaps
 
 
-def served(
+@dataclass
+class Figures:
+    """Median TTFT and inter-token latency of the single requests, best output tok/s at 32."""
+
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+
+    def add(self, first: float, gaps: list[float]) -> None:
+        self.ttfts.append(first)
+        self.itls.extend(gaps)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "ttft_ms": statistics.median(self.ttfts) * 1e3,
+            "itl_ms": statistics.median(self.itls) * 1e3,
+            "output_tokens_per_s": max(self.rates),
+        }
+
+
+def side_by_side(
+    llm: LLM,
     folder: Path,
     shape: dict[str, int],
-    torch_threads: int,
-    latency: list[Prompt],
-    batch: list[Prompt],
-) -> dict[str, float]:
+    torch_threads: int | dict[str, int],
+    rounds: int,
+    seed: int,
+) -> tuple[dict[str, float], dict[str, float], str]:
+    """The service and the offline engine, measured alternately (request by request, then
+    batch by batch, twice): this machine's speed drifts by tens of percent over minutes, and
+    alternating puts both sides in the same phase. Prompts are fresh for every measurement
+    (`seed`), so neither side finds them cached. Returns (offline, service, entry)."""
     import openai
 
     model = "bench"
@@ -145,31 +170,34 @@ def served(
     }
     local.connect_ray()
     try:
-        base_url = local.deploy(config, port=local.free_port())
-
-        async def measure() -> tuple[list[float], list[float], float]:
-            client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
-            try:
-                await stream(client, model, latency[0])  # warm-up
-                ttfts, itls = [], []
-                for prompt in latency:
-                    first, gaps = await stream(client, model, prompt)
-                    ttfts.append(first)
-                    itls.extend(gaps)
+        proxy_url = local.deploy(config, port=local.free_port())
+        direct_url = local.direct_url()
+        base_url = direct_url or proxy_url
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
+        offline, service = Figures(), Figures()
+        warm_up, *latency = prompts(1 + rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed)
+        with asyncio.Runner() as runner:
+            offline_latency(llm, warm_up)
+            runner.run(stream(client, model, warm_up))
+            for prompt in latency:
+                offline.add(*offline_latency(llm, prompt))
+                service.add(*runner.run(stream(client, model, prompt)))
+            for repeat in range(2):
+                batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 10 + repeat)
+                offline.rates.append(offline_throughput(llm, batch))
+                batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 20 + repeat)
                 start = time.perf_counter()
-                await asyncio.gather(*(stream(client, model, p) for p in batch))
-                return ttfts, itls, time.perf_counter() - start
-            finally:
-                await client.close()
-
-        ttfts, itls, seconds = asyncio.run(measure())
+                runner.run(_all(client, model, batch))
+                service.rates.append(BATCH * BATCH_OUTPUT / (time.perf_counter() - start))
+            runner.run(client.close())
     finally:
         local.shutdown()
-    return {
-        "ttft_ms": statistics.median(ttfts) * 1e3,
-        "itl_ms": statistics.median(itls) * 1e3,
-        "output_tokens_per_s": BATCH * BATCH_OUTPUT / seconds,
-    }
+    entry = "direct ingress" if direct_url else "Serve proxy"
+    return offline.summary(), service.summary(), entry
+
+
+async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
+    await asyncio.gather(*(stream(client, model, p) for p in batch))
 
 
 def main() -> None:
@@ -181,31 +209,58 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[1, 2],
-        help="CPU threads per engine of the service, one run each (offline uses torch's default)",
+        help="CPU threads per engine of the service, one run each, and with two values one "
+        "more 1P1D run (prefill the most, decode the fewest); offline uses torch's default",
     )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
-    latency = prompts(args.rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed=1)
-    batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed=2)
+    systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_checkpoint(folder, quick=args.quick)
-        systems = {"offline": offline(folder, latency, batch)}
-        for threads in args.torch_threads:
-            for name, shape in SHAPES.items():
-                systems[f"{name} t={threads}"] = served(folder, shape, threads, latency, batch)
-    base = systems["offline"]
-    print(f"{'system':>15} {'TTFT':>10} {'ITL':>9} {'tok/s @32':>10}   vs offline")
-    for name, figures in systems.items():
-        added = figures["ttft_ms"] - base["ttft_ms"]
-        itl = figures["itl_ms"] / base["itl_ms"]
-        rate = figures["output_tokens_per_s"] / base["output_tokens_per_s"]
+        with LLM(str(folder), **ENGINE) as llm:
+            runs: list[tuple[str, dict[str, int], Any]] = [
+                (f"{name} t={threads}", shape, threads)
+                for threads in args.torch_threads
+                for name, shape in SHAPES.items()
+            ]
+            if len(set(args.torch_threads)) > 1:  # prefill on every core, decode beside
+                most, fewest = max(args.torch_threads), min(args.torch_threads)
+                runs.append(
+                    (
+                        f"1P1D t={most}P/{fewest}D",
+                        SHAPES["1P1D"],
+                        {"prefill": most, "decode": fewest},
+                    )
+                )
+            for label, shape, threads in runs:
+                seed = 100 * (len(systems) + 1)
+                offline, service, entry = side_by_side(
+                    llm, folder, shape, threads, args.rounds, seed
+                )
+                systems[label] = {
+                    "entry": entry,
+                    "torch_threads": threads,
+                    "offline": offline,
+                    "service": service,
+                    "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
+                    "itl_ratio": service["itl_ms"] / offline["itl_ms"],
+                    "throughput_ratio": service["output_tokens_per_s"]
+                    / offline["output_tokens_per_s"],
+                }
+    print(
+        f"{'system':>17} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>15}   service vs offline"
+        "  (offline | service, measured alternately)"
+    )
+    for name, row in systems.items():
+        off, srv = row["offline"], row["service"]
         print(
-            f"{name:>15} {figures['ttft_ms']:>8.1f}ms {figures['itl_ms']:>7.2f}ms "
-            f"{figures['output_tokens_per_s']:>10.1f}   TTFT {added:+.1f} ms, ITL {itl:.2f}x, "
-            f"tok/s {rate:.0%}"
+            f"{name:>17} {off['ttft_ms']:>6.1f} |{srv['ttft_ms']:>6.1f} ms "
+            f"{off['itl_ms']:>5.2f} |{srv['itl_ms']:>5.2f} ms "
+            f"{off['output_tokens_per_s']:>6.0f} |{srv['output_tokens_per_s']:>6.0f}   "
+            f"TTFT {row['ttft_added_ms']:+.1f} ms, ITL {row['itl_ratio']:.2f}x, "
+            f"tok/s {row['throughput_ratio']:.0%}  ({row['entry']})"
         )
-        figures |= {"ttft_added_ms": added, "itl_ratio": itl, "throughput_ratio": rate}
     write_result(
         args.output,
         {

@@ -303,6 +303,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         url = local.deploy(config, host=args.host, port=args.port)
         print(f"hybridserve: serving {config['model']} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        direct = local.direct_url()
+        if direct is not None:
+            print(
+                f"hybridserve: the ingress also takes requests at {direct}/v1 (no proxy hop)",
+                flush=True,
+            )
         # Explicitly: a shell starting us in the background leaves SIGINT ignored.
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)

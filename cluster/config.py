@@ -65,8 +65,10 @@ class ServiceConfig(BaseModel):
         "STRICT_PACK",
         description="how a tensor-parallel engine's bundles are placed (STRICT_PACK: one node)",
     )
-    torch_threads: int | None = Field(
-        None, ge=1, description="CPU threads per engine (default: torch's choice)"
+    torch_threads: int | dict[Role, int] | None = Field(
+        None,
+        description="CPU threads per engine, for every role or per role ({'prefill': 2, "
+        "'decode': 1}; a role left out gets torch's choice); default: torch's choice",
     )
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="the longest a transfer waits for its peer's next bytes"
@@ -122,6 +124,16 @@ class ServiceConfig(BaseModel):
             )
         return value
 
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads_are_positive(
+        cls, value: int | dict[Role, int] | None
+    ) -> int | dict[Role, int] | None:
+        counts = value.values() if isinstance(value, dict) else [value]
+        if any(count is not None and count < 1 for count in counts):
+            raise ValueError(f"torch_threads: {value!r}; thread counts are at least 1")
+        return value
+
     @model_validator(mode="after")
     def _engines_are_valid(self) -> ServiceConfig:
         for role in self.roles():
@@ -148,6 +160,14 @@ class ServiceConfig(BaseModel):
             # The service's engines span rank actors (cluster/ray_executor.py).
             fields.setdefault("distributed_executor_backend", "ray")
         return EngineConfig(**fields, model=self.model, role=role)
+
+    def threads(self, role: Role) -> int | None:
+        """CPU threads of a `role` engine (None: torch's choice). On a small machine the
+        roles want different counts: a prefill engine runs alone between prompts and takes
+        every core, a decode engine shares its cores with the HTTP path every token."""
+        if isinstance(self.torch_threads, dict):
+            return self.torch_threads.get(role)
+        return self.torch_threads
 
     def on_gpu(self, role: Role, cluster_gpus: float) -> bool:
         """Whether `role`'s engines run on GPUs on a cluster with `cluster_gpus` in all."""

@@ -89,7 +89,7 @@ class Coordinator:
     def _start_engine(self, name: str, engine: EngineConfig, incarnation: int = 0) -> Any:
         """The engine's actor; a tensor-parallel engine's first in its own placement group."""
         kwargs: dict[str, Any] = {
-            "torch_threads": self.config.torch_threads,
+            "torch_threads": self.config.threads(engine.role),
             "transfer_timeout": self.config.transfer_timeout_s,
             "transfer_deadline": self.config.transfer_deadline_s,
             "transfer_host": self.config.transfer_host,

@@ -11,6 +11,15 @@ from typing import Any
 APP_NAME = "hybridserve"
 logger = logging.getLogger(__name__)
 
+# Serve's throughput-optimized mode (Ray >= 2.55), for a cluster we start: the ingress
+# replica also takes HTTP itself ("direct ingress": no proxy hop, and no Ray object, per SSE
+# chunk), runs request code on its own event loop rather than on a thread of its own, and
+# buffers its access log: less CPU per streamed token on the cores the engines step on
+# (bench/service_overhead.py measures both entries). Serve reads these when its processes
+# start, so they must be in the environment before the cluster is; a cluster we join keeps
+# its own (set them in its pods: manifests/). An explicit value in the environment wins.
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
 
 def connect_ray(num_cpus: int | None = None) -> None:
     """Join the cluster at RAY_ADDRESS, or start a local one on loopback."""
@@ -24,6 +33,8 @@ def connect_ray(num_cpus: int | None = None) -> None:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=False)
     else:
+        for name, value in SERVE_ENV.items():
+            os.environ.setdefault(name, value)  # inherited by the raylet, so by every worker
         ray.init(
             # A new cluster of our own, even if a `ray start` cluster runs on this machine
             # (joining one is what RAY_ADDRESS is for).
@@ -74,11 +85,38 @@ def serving_address() -> tuple[str, int]:
     return http.host, http.port
 
 
+def direct_url(name: str = APP_NAME) -> str | None:
+    """The base URL at which the application's ingress replica takes HTTP itself, when Serve
+    runs with direct ingress (SERVE_ENV); None otherwise. The proxy's address
+    (`serving_address`) serves the application either way; this one skips the proxy. With
+    several ingress replicas, the first one's."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    for group in client.get_serve_details().get("target_groups", []):
+        # Only direct-ingress groups name their ingress deployment; proxy groups leave it "".
+        if group.get("app_name") != name or not group.get("ingress_deployment_name"):
+            continue
+        if group.get("protocol") != "HTTP" or not group.get("targets"):
+            continue
+        target = group["targets"][0]
+        # A replica listens on Serve's HTTP host: a loopback service is only there, and a
+        # wildcard host is reached at the replica's node address.
+        bound = client.http_config.host
+        host = target["ip"] if bound in ("0.0.0.0", "::", "") else bound
+        return f"http://{host}:{target['port']}{group['route_prefix'].rstrip('/')}"
+    return None
+
+
 def coordinator(name: str = APP_NAME) -> Any:
     """A handle on a running service's Coordinator (for probes, tests, benchmarks)."""
     from ray import serve
 
-    return serve.get_deployment_handle("Coordinator", app_name=name)
+    handle = serve.get_deployment_handle("Coordinator", app_name=name)
+    # Callers wait on it from plain code (`.remote().result()`); a handle that routes on the
+    # caller's event loop (the default in a process with SERVE_ENV) refuses that.
+    handle._init(_run_router_in_separate_loop=True)
+    return handle
 
 
 def shutdown() -> None:

@@ -6,7 +6,7 @@ so a reader in another version fails loudly on the version field instead of misr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal, TypeVar
 
 from hybridserve.workers.sampling_params import SamplingParams
@@ -88,6 +88,28 @@ class TokenEvent(_Message):
     def finished(self) -> bool:
         """No event follows: the stream of the whole request is over."""
         return self.last or self.finish_reason in ("error", "abort")
+
+    def joined(self, following: TokenEvent) -> TokenEvent | None:
+        """This event and the one after it as one event, when they continue each other (the
+        same choice, `following` starting where this one ends, neither carrying an end or
+        an error before the last token); else None."""
+        if (
+            following.index != self.index
+            or following.offset != self.offset + len(self.token_ids)
+            or self.finish_reason is not None
+            or self.error is not None
+            or self.last
+            or (self.logprobs is None) != (following.logprobs is None)
+            or following.prompt_logprobs is not None
+        ):
+            return None
+        return replace(
+            following,
+            offset=self.offset,
+            token_ids=[*self.token_ids, *following.token_ids],
+            logprobs=None if self.logprobs is None else [*self.logprobs, *following.logprobs],
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True)

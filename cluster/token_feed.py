@@ -124,10 +124,21 @@ class EngineFeed:
     async def events(
         self, request_id: str, queue: asyncio.Queue[TokenEvent | None]
     ) -> AsyncIterator[TokenEvent]:
-        """The request's events up to its final one; EngineDied if the engine goes first."""
+        """The request's events up to its final one; EngineDied if the engine goes first.
+        Events that wait in the queue together come out joined into one (`TokenEvent.joined`):
+        a caller that falls behind the engine (many streams on few cores) then handles, and
+        sends on, fewer and larger pieces instead of falling further behind."""
         try:
+            waiting: list[TokenEvent | None] = []
             while True:
-                event = await queue.get()
+                event = waiting.pop() if waiting else await queue.get()
+                while event is not None and not queue.empty():
+                    following = queue.get_nowait()
+                    joined = None if following is None else event.joined(following)
+                    if joined is None:
+                        waiting.append(following)
+                        break
+                    event = joined
                 if event is None:
                     raise EngineDied(self.name)
                 yield event

@@ -58,6 +58,13 @@ def test_a_colocated_service_names_its_engines_by_role():
     assert config.resource_demand(cluster_gpus=4)["colocated-1"] == [{"GPU": 1.0}] * 2
 
 
+def test_threads_apply_to_every_role_or_per_role():
+    assert ServiceConfig(torch_threads=2).threads("decode") == 2
+    per_role = ServiceConfig(torch_threads={"prefill": 2, "decode": 1})
+    assert [per_role.threads(r) for r in ("prefill", "decode", "colocated")] == [2, 1, None]
+    assert ServiceConfig().threads("prefill") is None
+
+
 @pytest.mark.parametrize(
     ("fields", "shown"),
     [
@@ -66,6 +73,9 @@ def test_a_colocated_service_names_its_engines_by_role():
         ({"num_decode": 0}, "num_decode"),
         ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
         ({"engine_actor_option": {}}, "engine_actor_option"),
+        ({"torch_threads": 0}, "thread counts are at least 1"),
+        ({"torch_threads": {"decode": 0}}, "thread counts are at least 1"),
+        ({"torch_threads": {"decoder": 1}}, "torch_threads"),
     ],
 )
 def test_bad_fields_are_refused_naming_them(fields, shown):

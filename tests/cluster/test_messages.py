@@ -49,3 +49,49 @@ def test_another_version_or_kind_is_refused_by_name():
         TokenEvent.from_dict(data)
     with pytest.raises(MessageError, match="unknown fields"):
         TokenEvent.from_dict(EVENT.to_dict() | {"surprise": 1})
+
+
+def test_an_event_joins_the_one_that_continues_it():
+    lp = [[7, -0.5, [[7, -0.5]]]]
+    first = TokenEvent(
+        "r1", 2, [7], num_cached_tokens=16, index=1, logprobs=lp, prompt_logprobs=[None]
+    )
+    last = TokenEvent("r1", 3, [8, 9], "length", 16, index=1, last=True, logprobs=lp * 2)
+    assert first.joined(last) == TokenEvent(
+        "r1",
+        2,
+        [7, 8, 9],
+        "length",
+        16,
+        index=1,
+        last=True,
+        logprobs=lp * 3,
+        prompt_logprobs=[None],
+    )
+    plain = TokenEvent("r1", 2, [7], index=1)
+    assert plain.joined(TokenEvent("r1", 3, [8], index=1)) == TokenEvent("r1", 2, [7, 8], index=1)
+
+
+@pytest.mark.parametrize(
+    "following",
+    [
+        TokenEvent("r1", 3, [8], index=0),  # another choice
+        TokenEvent("r1", 2, [7], index=1),  # a repeat (a recompute starts over)
+        TokenEvent("r1", 4, [9], index=1),  # a gap
+        TokenEvent("r1", 3, [8], index=1, logprobs=[[8, -1.0, []]]),  # logprobs from here on
+    ],
+)
+def test_events_that_do_not_continue_each_other_stay_apart(following):
+    assert TokenEvent("r1", 2, [7], index=1).joined(following) is None
+
+
+@pytest.mark.parametrize(
+    "ended",
+    [
+        TokenEvent("r1", 2, [7], finish_reason="stop", index=1),  # the choice ended
+        TokenEvent("r1", 2, [7], finish_reason="error", error="boom", index=1),
+        TokenEvent("r1", 2, [7], index=1, last=True),
+    ],
+)
+def test_nothing_joins_an_event_that_ends_something(ended):
+    assert ended.joined(TokenEvent("r1", 3, [8], index=1)) is None

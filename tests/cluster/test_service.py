@@ -350,3 +350,26 @@ def test_the_serving_address_is_the_running_proxy_s(service):
 
     url = urlsplit(service.base_url)
     assert local.serving_address() == (url.hostname, url.port)
+
+
+def test_the_ingress_replica_also_takes_requests_directly(service, colocated_service, offline):
+    """Serve's direct ingress (on for a cluster we start, cluster/local.py): the ingress
+    replica's own address answers as the proxy does, for the application at the root and for
+    one under a route prefix."""
+    from hybridserve.cluster import local
+
+    prompt = [5, 9, 11, 4]
+    expected = offline_tokens(offline, prompt, max_tokens=6, temperature=0.0)
+    for deployed, name in ((service, local.APP_NAME), (colocated_service, "hybridserve-colocated")):
+        direct = local.direct_url(name)
+        assert direct is not None and urlsplit(direct).port != urlsplit(deployed.base_url).port
+        assert urlsplit(direct).path == urlsplit(deployed.base_url).path
+        served = client(Service(direct, deployed.coordinator)).completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        assert served.choices[0].model_extra["token_ids"] == expected
+        assert_at_baseline(deployed)

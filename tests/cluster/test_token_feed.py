@@ -182,3 +182,54 @@ def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death
             await feed.open("c")
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_events_waiting_together_come_out_joined_in_order():
+    """A reader that falls behind gets what has queued up as few events as the tokens allow:
+    continuing events joined, anything else (another choice, a repeat) after them, in order."""
+
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        queue = await feed.open("a")
+        engine.script.put_nowait(
+            TokenBatch(
+                [
+                    TokenEvent("a", 0, [1], index=0),
+                    TokenEvent("a", 1, [2], index=0),
+                    TokenEvent("a", 0, [5], index=1),  # the other choice
+                    TokenEvent("a", 1, [6], index=1),
+                    TokenEvent("a", 2, [3], finish_reason="length", index=0),
+                    TokenEvent("a", 2, [7], finish_reason="length", index=1, last=True),
+                ]
+            )
+        )
+        events = [e async for e in feed.events("a", queue)]
+        assert [(e.index, e.offset, e.token_ids, e.finish_reason) for e in events] == [
+            (0, 0, [1, 2], None),
+            (1, 0, [5, 6], None),
+            (0, 2, [3], "length"),
+            (1, 2, [7], "length"),
+        ]
+        assert events[-1].last
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_queued_events_still_come_out_before_the_engine_s_death():
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        queue = await feed.open("a")
+        engine.script.put_nowait(TokenBatch([TokenEvent("a", 0, [1]), TokenEvent("a", 1, [2])]))
+        engine.script.put_nowait(RayActorError())
+        while not feed.dead:
+            await asyncio.sleep(0.01)
+        events = feed.events("a", queue)
+        assert (await anext(events)).token_ids == [1, 2]
+        with pytest.raises(EngineDied, match="decode-0"):
+            await anext(events)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
