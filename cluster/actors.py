@@ -244,10 +244,14 @@ class EngineActor:
     async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
         return list(await self.worker.expect(request_id, num_choices))
 
-    async def prefill(self, request: dict[str, Any], decode_address: list[Any]) -> dict[str, Any]:
+    async def prefill(
+        self, request: dict[str, Any], decode_address: list[Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A streaming call: the first token's event as soon as it exists, then the
+        PrefillResult (cluster/worker.py)."""
         address = (str(decode_address[0]), int(decode_address[1]))
-        result = await self.worker.prefill(GenerateRequest.from_dict(request), address)
-        return result.to_dict()
+        async for message in self.worker.prefill(GenerateRequest.from_dict(request), address):
+            yield message.to_dict()
 
     async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
         await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)

@@ -153,7 +153,8 @@ def target(args: argparse.Namespace) -> Iterator[Target]:
     print(f"launching the service ({topology_label(args)}) ...", file=sys.stderr)
     local.connect_ray(num_cpus=args.ray_num_cpus)
     try:
-        base_url = local.deploy(config, port=local.free_port())
-        yield Target(base_url, local.coordinator(), config)
+        proxy_url = local.deploy(config, port=local.free_port())
+        # Where the ingress takes HTTP itself (a cluster we started), one hop fewer.
+        yield Target(local.direct_url() or proxy_url, local.coordinator(), config)
     finally:
         local.shutdown()

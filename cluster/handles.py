@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ray.exceptions import RayActorError
 
-from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.messages import (
+    GenerateRequest,
+    PrefillResult,
+    TokenEvent,
+    prefill_message,
+)
 from hybridserve.cluster.orchestrator import EngineDied
 from hybridserve.cluster.token_feed import EngineFeed
 
@@ -68,10 +73,19 @@ class RayEngine:
         host, port = await self._call("expect", request_id, num_choices)
         return str(host), int(port)
 
-    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> PrefillResult:
-        return PrefillResult.from_dict(
-            await self._call("prefill", request.to_dict(), list(address))
+    async def prefill(
+        self, request: GenerateRequest, address: tuple[str, int]
+    ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
+        """One streaming call for the request (two messages: the first token, the result).
+        Closing it early cancels the call, and the engine then drops the request."""
+        stream = self.handle.prefill.options(num_returns="streaming").remote(
+            request.to_dict(), list(address)
         )
+        try:
+            async for ref in stream:
+                yield prefill_message(await ref)
+        except RayActorError as exc:
+            raise EngineDied(self.name) from exc
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         await self._call("recover", request.to_dict(), delivered, reason)

@@ -15,10 +15,16 @@ logger = logging.getLogger(__name__)
 # replica also takes HTTP itself ("direct ingress": no proxy hop, and no Ray object, per SSE
 # chunk), runs request code on its own event loop rather than on a thread of its own, and
 # buffers its access log: less CPU per streamed token on the cores the engines step on
-# (bench/service_overhead.py measures both entries). Serve reads these when its processes
+# (bench/service_overhead.py measures through it). Serve reads these when its processes
 # start, so they must be in the environment before the cluster is; a cluster we join keeps
-# its own (set them in its pods: manifests/). An explicit value in the environment wins.
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# its own settings (the KubeRay manifests keep Serve's proxy on every node: their readiness
+# probes ask it). An explicit value in the environment wins. No load balancer fronts a
+# cluster we start, so an ingress replica that stops need not stay open for one to notice
+# (Serve holds it 30 s by default, on every application deleted).
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+}
 
 
 def connect_ray(num_cpus: int | None = None) -> None:
@@ -115,7 +121,8 @@ def coordinator(name: str = APP_NAME) -> Any:
     handle = serve.get_deployment_handle("Coordinator", app_name=name)
     # Callers wait on it from plain code (`.remote().result()`); a handle that routes on the
     # caller's event loop (the default in a process with SERVE_ENV) refuses that.
-    handle._init(_run_router_in_separate_loop=True)
+    if not handle.is_initialized:  # Serve hands out one handle per deployment
+        handle._init(_run_router_in_separate_loop=True)
     return handle
 
 

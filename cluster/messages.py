@@ -13,7 +13,9 @@ from hybridserve.workers.sampling_params import SamplingParams
 
 # 2: TokenEvent carries the choice index, logprobs, prompt logprobs and the stream's end.
 # 3: token events travel in TokenBatches, one per engine step and subscriber.
-MESSAGES_VERSION = 3
+# 4: a prefill streams its first token's event ahead of its PrefillResult (which no longer
+#    carries it).
+MESSAGES_VERSION = 4
 
 M = TypeVar("M", bound="_Message")
 
@@ -114,7 +116,8 @@ class TokenEvent(_Message):
 
 @dataclass(frozen=True)
 class PrefillResult(_Message):
-    """What a prefill engine did with a request.
+    """What a prefill engine did with a request: the last message of its prefill stream,
+    after the first token's TokenEvent (which goes out as soon as the token exists).
 
     status: "handed_off" (decode acked the transfer), "finished" (it ended with its first
     token; nothing to transfer), "transfer_failed" (decode never admitted it: recompute
@@ -122,23 +125,18 @@ class PrefillResult(_Message):
 
     request_id: str
     status: Literal["handed_off", "finished", "transfer_failed", "error"]
-    first: TokenEvent | None = None
     detail: str = ""
     blocks_sent: int = 0
     blocks_held: int = 0
     bytes_sent: int = 0
     kind: ClassVar[str] = "prefill_result"
 
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["first"] = self.first.to_dict() if self.first is not None else None
-        return data
 
-    @classmethod
-    def from_dict(cls, data: Any) -> PrefillResult:
-        if isinstance(data, dict) and isinstance(data.get("first"), dict):
-            data = data | {"first": TokenEvent.from_dict(data["first"])}
-        return super().from_dict(data)
+def prefill_message(data: Any) -> TokenEvent | PrefillResult:
+    """One message of a prefill stream (the first token's event, or the result), by kind."""
+    if isinstance(data, dict) and data.get("kind") == PrefillResult.kind:
+        return PrefillResult.from_dict(data)
+    return TokenEvent.from_dict(data)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
@@ -54,9 +54,9 @@ class EngineClient(Protocol):
 
     async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]: ...
 
-    async def prefill(
+    def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
-    ) -> PrefillResult: ...
+    ) -> AsyncGenerator[TokenEvent | PrefillResult, None]: ...
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None: ...
 
@@ -118,14 +118,7 @@ class Orchestrator:
             if prefill_name is None:
                 events = decode.generate(request)
             else:
-                first, events = await self._prefill_and_transfer(request, prefill_name, decode_name)
-                holding.remove(prefill_name)
-                await self.router.release(prefill_name)
-                if first is not None:
-                    finished = first.finished
-                    yield first
-                if events is None:
-                    return
+                events = self._disaggregated(request, prefill_name, decode_name, holding)
             # 5. stream
             async for event in events:
                 finished = event.finished
@@ -143,28 +136,44 @@ class Orchestrator:
             if not finished:
                 await self._abort_everywhere(request_id, prefill_name, decode_name)
 
-    async def _prefill_and_transfer(
-        self, request: GenerateRequest, prefill_name: str, decode_name: str
-    ) -> tuple[TokenEvent | None, AsyncIterator[TokenEvent] | None]:
-        """Steps 2-4: (the first token's event, the rest of the stream or None when the
-        request ended with its first token or failed)."""
+    async def _disaggregated(
+        self, request: GenerateRequest, prefill_name: str, decode_name: str, holding: list[str]
+    ) -> AsyncIterator[TokenEvent]:
+        """Steps 2-4, then the decode engine's stream. The first token goes out as soon as
+        the prefill engine has it, while its transfer is still under way; the prefill
+        engine's load is given back (`holding`) once it reports how the transfer went."""
         request_id = request.request_id
         decode = self.engines[decode_name]
         # 2. expect: the stream is open before anything can arrive
         address = await decode.expect(request_id, request.params.n)
         # 3. prefill (and the transfer it starts)
+        first: TokenEvent | None = None
+        result: PrefillResult | None = None
+        run = self.engines[prefill_name].prefill(request, address)
         try:
-            result = await self.engines[prefill_name].prefill(request, address)
+            async for message in run:
+                if isinstance(message, PrefillResult):
+                    result = message
+                    continue
+                first = message
+                if first.finished:  # ended by its first token, or refused: no transfer
+                    await decode.release(request_id)
+                yield first
+                if first.finished:
+                    return
         except EngineDied as dead:
             await self.on_engine_dead(dead.name)
             result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
+        finally:
+            await run.aclose()
+        if result is None:
+            result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
+        holding.remove(prefill_name)
+        await self.router.release(prefill_name)
         if result.status == "error":
             await decode.release(request_id)
-            return TokenEvent(request_id, 0, finish_reason="error", error=result.detail), None
-        first = result.first
-        if first is not None and first.finished:
-            await decode.release(request_id)
-            return first, None
+            yield TokenEvent(request_id, 0, finish_reason="error", error=result.detail)
+            return
         # 4. decode: from the transferred state, or per the decode engine's failure policy
         if result.status == "transfer_failed":
             logger.warning(
@@ -173,7 +182,8 @@ class Orchestrator:
             delivered = len(first.token_ids) if first is not None else 0
             await decode.recover(request, delivered, result.detail)
         cached = first.num_cached_tokens if first is not None else None
-        return first, self._reported(decode.follow(request_id), cached)
+        async for event in self._reported(decode.follow(request_id), cached):
+            yield event
 
     @staticmethod
     async def _reported(

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
@@ -315,9 +314,10 @@ class EngineWorker:
 
     async def prefill(
         self, request: GenerateRequest, decode_address: tuple[str, int]
-    ) -> PrefillResult:
-        """Prefill role: compute the prompt and first token, ship the request to
-        `decode_address`, and say how that went."""
+    ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
+        """Prefill role: compute the prompt and first token, and ship the request to
+        `decode_address`. Yields the first token's event as soon as it exists (the transfer
+        is under way then), and last the PrefillResult: how the transfer went."""
         stream = self._open(request.request_id)
         stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
         stream.prefill_done = stream.loop.create_future()
@@ -325,14 +325,16 @@ class EngineWorker:
             try:
                 self._add(request)
             except ValueError as exc:
-                return PrefillResult(request.request_id, "error", detail=str(exc))
+                yield PrefillResult(request.request_id, "error", detail=str(exc))
+                return
             first = await stream.queue.get()
+            yield first
             if first.finished:  # ended by its first token, or refused
-                return PrefillResult(request.request_id, "finished", first=first)
-            result = await stream.prefill_done
-            return dataclasses.replace(result, first=first)
+                yield PrefillResult(request.request_id, "finished")
+                return
+            yield await stream.prefill_done
         finally:
-            self._close(request.request_id)  # also when cancelled: aborts it here
+            self._close(request.request_id)  # also when closed early: aborts it here
 
     def clear_cache(self) -> None:
         """Drop every cached block and snapshot and send the removal events now."""

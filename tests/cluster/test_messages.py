@@ -13,6 +13,7 @@ from hybridserve.cluster.messages import (
     PrefillResult,
     TokenBatch,
     TokenEvent,
+    prefill_message,
 )
 
 EVENT = TokenEvent(
@@ -22,7 +23,7 @@ MESSAGES = [
     GenerateRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, "salt", 2),
     EVENT,
     TokenEvent("r1", 4, [], finish_reason="length", last=True),
-    PrefillResult("r1", "handed_off", first=EVENT, blocks_sent=3, bytes_sent=4096),
+    PrefillResult("r1", "handed_off", blocks_sent=3, bytes_sent=4096),
     PrefillResult("r2", "error", detail="token id 9999 is outside the vocabulary"),
     TokenBatch([EVENT, TokenEvent("r2", 0, [5], finish_reason="stop", last=True)]),
     TokenBatch([]),
@@ -33,6 +34,14 @@ MESSAGES = [
 def test_round_trip_through_msgpack(message):
     wire = msgpack.packb(message.to_dict())
     assert type(message).from_dict(msgpack.unpackb(wire)) == message
+
+
+def test_a_prefill_stream_s_messages_are_told_apart_by_kind():
+    result = PrefillResult("r1", "transfer_failed", detail="peer gone")
+    assert prefill_message(msgpack.unpackb(msgpack.packb(EVENT.to_dict()))) == EVENT
+    assert prefill_message(msgpack.unpackb(msgpack.packb(result.to_dict()))) == result
+    with pytest.raises(MessageError, match="expected a tokens message"):
+        prefill_message(GenerateRequest("r1", [1], {}).to_dict())
 
 
 def test_a_batch_carries_each_event_versioned():

@@ -113,12 +113,12 @@ def test_attach_streams_an_expected_request_including_what_arrived_before():
             await anext(batches)
             req = request()
             address = await decode.expect(req.request_id)
-            result = await prefill.prefill(req, address)
-            assert result.status == "handed_off" and result.first is not None
+            first, result = [m async for m in prefill.prefill(req, address)]
+            assert isinstance(first, TokenEvent) and result.status == "handed_off"
             await asyncio.sleep(0.2)  # let decode run ahead of the attach
             outbox.attach(req.request_id)
             events, _ = await until_finished(batches, {req.request_id})
-            return [result.first, *events[req.request_id]]
+            return [first, *events[req.request_id]]
 
         assert tokens_of(asyncio.run(scenario())) == offline()
         assert decode._streams == {} and prefill._streams == {}

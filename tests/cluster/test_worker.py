@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridserve.cluster.messages import GenerateRequest, TokenEvent
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
@@ -125,6 +125,7 @@ class DiesOnPrefill:
 
     async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
         raise EngineDied("prefill")
+        yield  # an async generator, as an engine's prefill is
 
 
 def orchestrate(engines: dict[str, Any], req: GenerateRequest, dead: list[str] | None = None):
@@ -140,12 +141,46 @@ def orchestrate(engines: dict[str, Any], req: GenerateRequest, dead: list[str] |
 
 def test_prefill_hands_over_to_decode_with_the_same_tokens(pair):
     """Each token exactly once (tokens_of checks the offsets): the first from the prefill
-    result, the rest from the decode engine."""
+    engine, the rest from the decode engine."""
     prefill, decode = pair
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
         events = orchestrate({"prefill": prefill, "decode": decode}, request(**sampling))
         assert tokens_of(events) == offline(**sampling)
     assert prefill.links.bytes_sent > 0
+    assert_idle_at_baseline(prefill, decode)
+
+
+class ReportsWhenReleased:
+    """The prefill engine, but its result (how the transfer went) waits for `released`."""
+
+    def __init__(self, prefill: EngineWorker) -> None:
+        self.prefill_engine = prefill
+        self.released = asyncio.Event()
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
+        async for message in self.prefill_engine.prefill(request, address):
+            if isinstance(message, PrefillResult):
+                await self.released.wait()
+            yield message
+
+
+def test_the_first_token_goes_out_before_the_transfer_is_reported(pair):
+    prefill, decode = pair
+    router = FixedRoute("prefill", "decode")
+
+    async def scenario() -> list[TokenEvent]:
+        held = ReportsWhenReleased(prefill)
+        events = Orchestrator(router, {"prefill": held, "decode": decode}, died).run(request())
+        first = await asyncio.wait_for(anext(events), 30)  # no result yet
+        assert router.held == ["prefill", "decode"]  # the prefill engine's load still counts
+        held.released.set()
+        return [first, *[event async for event in events]]
+
+    async def died(name: str) -> None:
+        raise AssertionError(f"{name} reported dead")
+
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert router.held == []
     assert_idle_at_baseline(prefill, decode)
 
 
@@ -191,7 +226,7 @@ def test_a_dead_prefill_engine_is_reported_and_decode_recomputes(pair):
 
 
 class DiesAfterHandingOff:
-    """A prefill engine killed after its transfer landed but before its reply reached the
+    """A prefill engine killed after its transfer landed but before its messages reached the
     caller: the decode engine runs the request from the transferred state (its stream starts
     after the first token, and has queued later ones), and the caller never got the first."""
 
@@ -199,7 +234,8 @@ class DiesAfterHandingOff:
         self.prefill_engine, self.decode = prefill, decode
 
     async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
-        await self.prefill_engine.prefill(request, address)  # the reply is lost
+        async for _ in self.prefill_engine.prefill(request, address):
+            pass  # lost: the first token and the result
         stream = self.decode._streams[request.request_id]
         for _ in range(500):  # until the decode engine queued a token after the first
             if stream.queue.qsize():
@@ -207,6 +243,7 @@ class DiesAfterHandingOff:
             await asyncio.sleep(0.01)
         assert stream.queue.qsize(), "the decode engine never decoded the transferred request"
         raise EngineDied("prefill")
+        yield  # an async generator, as an engine's prefill is
 
 
 @pytest.mark.parametrize("sampling", [{}, {"logprobs": 2}])
