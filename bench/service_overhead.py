@@ -203,7 +203,7 @@ async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
-    parser.add_argument("--rounds", type=int, default=5, help="single requests per system")
+    parser.add_argument("--rounds", type=int, default=20, help="single requests per system")
     parser.add_argument(
         "--torch-threads",
         type=int,

@@ -1,0 +1,22 @@
+"""The service overhead benchmark still runs end to end (quick mode): offline and served
+figures side by side, through the ingress's own address on a cluster it starts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
+    result = run_bench("service_overhead.py", "--quick", "--rounds", "2", "--torch-threads", "1")
+    systems = result["systems"]
+    assert list(systems) == ["colocated t=1", "1P1D t=1"]
+    for row in systems.values():
+        assert row["entry"] == "direct ingress"
+        offline, service = row["offline"], row["service"]
+        for figures in (offline, service):
+            assert figures["ttft_ms"] > 0 and figures["itl_ms"] > 0
+            assert figures["output_tokens_per_s"] > 0
+        assert row["ttft_added_ms"] == pytest.approx(service["ttft_ms"] - offline["ttft_ms"])
+        assert row["itl_ratio"] == pytest.approx(service["itl_ms"] / offline["itl_ms"])
