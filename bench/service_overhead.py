@@ -61,19 +61,21 @@ def prompts(count: int, length: int, output: int, seed: int) -> list[Prompt]:
 
 
 class TokenClock:
-    """When one request's tokens arrive: the time to the first, then the gaps between."""
+    """When one request's tokens arrive: the time to the first, then the gap before each
+    later token (the tokens of one chunk share its gap evenly: one chunk may carry several)."""
 
     def __init__(self) -> None:
         self.start = self.last = time.perf_counter()
         self.first: float | None = None
         self.gaps: list[float] = []
 
-    def tick(self) -> None:
+    def tick(self, num_tokens: int = 1) -> None:
         now = time.perf_counter()
         if self.first is None:
             self.first = now - self.start
+            self.gaps.extend([0.0] * (num_tokens - 1))
         else:
-            self.gaps.append(now - self.last)
+            self.gaps.extend([(now - self.last) / num_tokens] * num_tokens)
         self.last = now
 
 
@@ -118,7 +120,7 @@ async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[f
         token_ids = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else None
         if not token_ids:
             continue
-        clock.tick()
+        clock.tick(len(token_ids))
         received += len(token_ids)
     assert clock.first is not None and received == prompt.output_len, (
         received,
@@ -177,19 +179,21 @@ def side_by_side(
         offline, service = Figures(), Figures()
         warm_up, *latency = prompts(1 + rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed)
         with asyncio.Runner() as runner:
-            offline_latency(llm, warm_up)
-            runner.run(stream(client, model, warm_up))
-            for prompt in latency:
-                offline.add(*offline_latency(llm, prompt))
-                service.add(*runner.run(stream(client, model, prompt)))
-            for repeat in range(2):
-                batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 10 + repeat)
-                offline.rates.append(offline_throughput(llm, batch))
-                batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 20 + repeat)
-                start = time.perf_counter()
-                runner.run(_all(client, model, batch))
-                service.rates.append(BATCH * BATCH_OUTPUT / (time.perf_counter() - start))
-            runner.run(client.close())
+            try:
+                offline_latency(llm, warm_up)
+                runner.run(stream(client, model, warm_up))
+                for prompt in latency:
+                    offline.add(*offline_latency(llm, prompt))
+                    service.add(*runner.run(stream(client, model, prompt)))
+                for repeat in range(2):
+                    batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 10 + repeat)
+                    offline.rates.append(offline_throughput(llm, batch))
+                    batch = prompts(BATCH, BATCH_PROMPT, BATCH_OUTPUT, seed + 20 + repeat)
+                    start = time.perf_counter()
+                    runner.run(_all(client, model, batch))
+                    service.rates.append(BATCH * BATCH_OUTPUT / (time.perf_counter() - start))
+            finally:
+                runner.run(client.close())
     finally:
         local.shutdown()
     entry = "direct ingress" if direct_url else "Serve proxy"

@@ -4,6 +4,7 @@ PrefixIndex). Only dicts of plain data cross these calls (`cluster/messages.py`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -250,8 +251,10 @@ class EngineActor:
         """A streaming call: the first token's event as soon as it exists, then the
         PrefillResult (cluster/worker.py)."""
         address = (str(decode_address[0]), int(decode_address[1]))
-        async for message in self.worker.prefill(GenerateRequest.from_dict(request), address):
-            yield message.to_dict()
+        messages = self.worker.prefill(GenerateRequest.from_dict(request), address)
+        async with contextlib.aclosing(messages):  # a cancelled call drops the request now
+            async for message in messages:
+                yield message.to_dict()
 
     async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
         await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)

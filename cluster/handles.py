@@ -3,12 +3,13 @@
 A call or stream that fails because the actor is gone raises EngineDied with its name. A
 request's tokens arrive on the replica's one stream from that engine (cluster/token_feed.py).
 
-Every awaited call is shielded: when a request's coroutine is cancelled (its client went
-away), the actor call it awaited is not cancelled half-way by asyncio, so its effect is known
-(a route that lands after its caller left gives its load back) and the request is aborted
-explicitly (`Orchestrator`). Serve also cancels the request's Ray task then, and Ray cancels
-every actor call that task submitted and that has not run yet: the calls made on the way out
-(releases, aborts) are therefore submitted outside it (`_call_detached`)."""
+Every awaited call is shielded (a prefill's stream excepted: `RayEngine.prefill`): when a
+request's coroutine is cancelled (its client went away), the actor call it awaited is not
+cancelled half-way by asyncio, so its effect is known (a route that lands after its caller
+left gives its load back) and the request is aborted explicitly (`Orchestrator`). Serve
+also cancels the request's Ray task then, and Ray cancels every actor call that task
+submitted and that has not run yet: the calls made on the way out (releases, aborts) are
+therefore submitted outside it (`_call_detached`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import functools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from hybridserve.cluster.messages import (
@@ -76,16 +78,23 @@ class RayEngine:
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
-        """One streaming call for the request (two messages: the first token, the result).
-        Closing it early cancels the call, and the engine then drops the request."""
+        """One streaming call for the request: the first token's event (unless the request
+        was refused), then the PrefillResult. Not shielded: closing it early cancels the
+        call, and the engine then drops the request."""
         stream = self.handle.prefill.options(num_returns="streaming").remote(
             request.to_dict(), list(address)
         )
+        complete = False
         try:
             async for ref in stream:
                 yield prefill_message(await ref)
+            complete = True
         except RayActorError as exc:
+            complete = True  # nothing left to cancel
             raise EngineDied(self.name) from exc
+        finally:
+            if not complete:
+                ray.cancel(stream)
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         await self._call("recover", request.to_dict(), delivered, reason)

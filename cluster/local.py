@@ -108,7 +108,7 @@ def direct_url(name: str = APP_NAME) -> str | None:
         target = group["targets"][0]
         # A replica listens on Serve's HTTP host: a loopback service is only there, and a
         # wildcard host is reached at the replica's node address.
-        bound = client.http_config.host
+        bound, _ = serving_address()
         host = target["ip"] if bound in ("0.0.0.0", "::", "") else bound
         return f"http://{host}:{target['port']}{group['route_prefix'].rstrip('/')}"
     return None

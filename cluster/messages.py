@@ -96,7 +96,8 @@ class TokenEvent(_Message):
         same choice, `following` starting where this one ends, neither carrying an end or
         an error before the last token); else None."""
         if (
-            following.index != self.index
+            following.request_id != self.request_id
+            or following.index != self.index
             or following.offset != self.offset + len(self.token_ids)
             or self.finish_reason is not None
             or self.error is not None
@@ -105,11 +106,14 @@ class TokenEvent(_Message):
             or following.prompt_logprobs is not None
         ):
             return None
+        logprobs = None
+        if self.logprobs is not None and following.logprobs is not None:
+            logprobs = [*self.logprobs, *following.logprobs]
         return replace(
             following,
             offset=self.offset,
             token_ids=[*self.token_ids, *following.token_ids],
-            logprobs=None if self.logprobs is None else [*self.logprobs, *following.logprobs],
+            logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
         )
 

@@ -16,8 +16,9 @@ stream. The ingress runs it for every request; engines are reached through `Engi
     5. stream    the decode engine's tokens, after the first one (no token travels twice)
 
 A prefill engine that dies only fails its transfer (the decode engine recomputes, or, when
-the transfer had landed, continues and sends the first token itself); a decode engine that
-dies ends the request with an error event. Either is reported as dead.
+the transfer had landed, continues, and sends the first token itself if the caller never got
+it); a decode engine that dies ends the request with an error event. Either is reported as
+dead.
 """
 
 from __future__ import annotations
@@ -119,12 +120,13 @@ class Orchestrator:
                 events = decode.generate(request)
             else:
                 events = self._disaggregated(request, prefill_name, decode_name, holding)
-            # 5. stream
-            async for event in events:
-                finished = event.finished
-                yield event
-                if finished:
-                    return
+            # 5. stream (closed here, so that what it holds open goes now, not when collected)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    finished = event.finished
+                    yield event
+                    if finished:
+                        return
             raise EngineDied(decode_name)  # the stream ended without a final event
         except EngineDied as dead:
             await self.on_engine_dead(dead.name)
@@ -146,26 +148,30 @@ class Orchestrator:
         decode = self.engines[decode_name]
         # 2. expect: the stream is open before anything can arrive
         address = await decode.expect(request_id, request.params.n)
-        # 3. prefill (and the transfer it starts)
+        # 3. prefill (and the transfer it starts): the first token, then how the transfer went
         first: TokenEvent | None = None
         result: PrefillResult | None = None
-        run = self.engines[prefill_name].prefill(request, address)
-        try:
-            async for message in run:
+        async with contextlib.aclosing(self.engines[prefill_name].prefill(request, address)) as run:
+            while True:
+                try:
+                    message = await anext(run)
+                except StopAsyncIteration:
+                    break
+                except EngineDied as dead:  # the prefill engine (nothing else is awaited here)
+                    await self.on_engine_dead(dead.name)
+                    if result is None:
+                        result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
+                    break
                 if isinstance(message, PrefillResult):
                     result = message
                     continue
                 first = message
                 if first.finished:  # ended by its first token, or refused: no transfer
-                    await decode.release(request_id)
-                yield first
-                if first.finished:
+                    with contextlib.suppress(EngineDied):  # a dead decode engine holds nothing
+                        await decode.release(request_id)
+                    yield first
                     return
-        except EngineDied as dead:
-            await self.on_engine_dead(dead.name)
-            result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
-        finally:
-            await run.aclose()
+                yield first  # to the client now, while the transfer is under way
         if result is None:
             result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
         holding.remove(prefill_name)

@@ -210,8 +210,8 @@ class EngineWorker:
 
     async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
         """Decode role: open the stream of a request a prefill engine is about to send here;
-        returns where to send it. Its first token is delivered by the prefill side (with
-        the prefill result), so this stream starts after it; the first tokens of its other
+        returns where to send it. Its first token is delivered by the prefill side (as soon
+        as that engine has it), so this stream starts after it; the first tokens of its other
         choices (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
         self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
@@ -242,8 +242,8 @@ class EngineWorker:
 
     def _resend_missed(self, stream: RequestStream, held: RequestOutput, delivered: int) -> None:
         """The transfer landed here, but the caller did not get the first token from the
-        prefill side (that engine died before replying). This stream starts after it
-        (`expect`), and later tokens may be queued already:
+        prefill side (that engine died before the token reached the caller). This stream
+        starts after it (`expect`), and later tokens may be queued already:
 
             output tokens | 0 .. delivered | delivered .. FIRST  | FIRST ..
                           | caller has     | missed: sent now,   | this stream's: queued
@@ -563,7 +563,8 @@ class EngineWorker:
             bytes_sent=outcome.bytes_sent,
         )
         done = stream.prefill_done
-        if done is not None:
+        # The caller's loop may be gone (its prefill was closed and it shut down).
+        if done is not None and not stream.loop.is_closed():
             stream.loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
     def _count_failure(self, reason: str) -> None:

@@ -4,9 +4,11 @@ lands, cancellation and drain. Oracle: an offline colocated engine; pools back a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -261,6 +263,68 @@ def test_a_prefill_engine_dying_after_its_transfer_landed_loses_no_token(pair, s
         assert [entry[0] for entry in logprobs] == offline(**sampling)
     assert dead == ["prefill"]
     assert prefill.links.bytes_sent > sent_before  # the state did travel
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_request_ended_by_its_first_token_leaves_nothing_on_either_engine(pair):
+    prefill, decode = pair
+    events = orchestrate({"prefill": prefill, "decode": decode}, request(max_tokens=1))
+    assert tokens_of(events) == offline(max_tokens=1)
+    assert events[-1].finish_reason == "length"
+    assert prefill._streams == {} and decode._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_caller_gone_after_the_first_token_leaves_nothing_on_either_engine(pair):
+    """The transfer may be in flight then: both engines drop the request."""
+    prefill, decode = pair
+    router = FixedRoute("prefill", "decode")
+
+    async def first_then_stop() -> TokenEvent:
+        events = Orchestrator(router, {"prefill": prefill, "decode": decode}, died).run(
+            request(max_tokens=400)
+        )
+        first = await anext(events)
+        await events.aclose()
+        return first
+
+    async def died(name: str) -> None:
+        raise AssertionError(f"{name} reported dead")
+
+    first = asyncio.run(first_then_stop())
+    assert first.token_ids == offline()[:1]
+    assert router.held == []
+    assert prefill._streams == {} and decode._streams == {}
+    # A transfer cut off mid-way settles on its own (the decode engine fails the receive,
+    # its pages wait out a late write): idle at baseline within seconds.
+    deadline = time.monotonic() + 30
+    while any(w.check_integrity()["busy"] for w in pair) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert_idle_at_baseline(prefill, decode)
+
+
+class DiesAfterTheFirstToken:
+    """A prefill engine killed after its first token reached the caller, before it said how
+    the transfer went (which may land or not): the decode engine continues from the token
+    after the first, by the transferred state or a recompute."""
+
+    def __init__(self, prefill: EngineWorker) -> None:
+        self.prefill_engine = prefill
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
+        async with contextlib.aclosing(self.prefill_engine.prefill(request, address)) as run:
+            yield await anext(run)
+        raise EngineDied("prefill")
+
+
+def test_a_prefill_engine_dying_after_its_first_token_loses_no_token(pair):
+    prefill, decode = pair
+    dead: list[str] = []
+    events = orchestrate(
+        {"prefill": DiesAfterTheFirstToken(prefill), "decode": decode}, request(), dead
+    )
+    assert tokens_of(events) == offline()
+    assert dead == ["prefill"]
     assert_idle_at_baseline(prefill, decode)
 
 
