@@ -251,17 +251,14 @@ class EngineWorker:
 
         If the engine has no output yet (its receive is still pending), the stream simply
         starts at `delivered`."""
-        missed = held.token_ids[delivered:PREFILL_TOKENS]
+        missed, logprobs = _output_slice(held, delivered, PREFILL_TOKENS)
         if not missed:
             stream.num_sent[0] = min(stream.num_sent.get(0, 0), delivered)
             return
-        logprobs = None
-        if held.logprobs is not None:
-            logprobs = [lp.to_wire() for lp in held.logprobs[delivered:PREFILL_TOKENS]]
         event = TokenEvent(
             held.request_id,
             delivered,
-            list(missed),
+            missed,
             num_cached_tokens=held.num_cached_tokens,
             logprobs=logprobs,
         )
@@ -509,7 +506,7 @@ class EngineWorker:
         if index == 0 and stream.first_output is None:
             stream.first_output = output
         sent = stream.num_sent.get(index, 0)
-        new = output.token_ids[sent:]
+        new, logprobs = _output_slice(output, sent)
         if output.finish_reason is not None:
             stream.finished.add(index)
         prompt_logprobs = None
@@ -520,15 +517,13 @@ class EngineWorker:
         event = TokenEvent(
             request_id,
             sent,
-            list(new),
+            new,
             output.finish_reason,
             output.num_cached_tokens,
             output.error,
             index=index,
             last=len(stream.finished) >= stream.num_choices,
-            logprobs=(
-                None if output.logprobs is None else [lp.to_wire() for lp in output.logprobs[sent:]]
-            ),
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
         stream.num_sent[index] = sent + len(new)
@@ -578,3 +573,13 @@ class EngineWorker:
                 self.engine.abort(request_id)
             stream.end(request_id, "error", reason)
         return len(streams)
+
+
+def _output_slice(
+    output: RequestOutput, start: int, end: int | None = None
+) -> tuple[list[int], list[list[Any]] | None]:
+    """Output tokens [start, end) and their logprobs in wire form (None when not asked for)."""
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = [lp.to_wire() for lp in output.logprobs[start:end]]
+    return list(output.token_ids[start:end]), logprobs
