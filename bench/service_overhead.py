@@ -17,7 +17,10 @@ engine, request by request and batch by batch, and its ratios (service / offline
 against those offline figures. The service runs once per `--torch-threads` value (CPU threads
 per engine; default 1 and 2): offline, the engine has the machine to itself, while a served
 engine shares it with the HTTP path (ingress, the client), and on a small machine an engine
-that takes every core slows that path more than it gains.
+that takes every core slows that path more than it gains. One more run repeats the last
+with `--stream-interval` tokens per streamed chunk (the service's `stream_interval`): the
+path's CPU per token, which competes with the engine for the same cores, goes down by about
+that factor.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def side_by_side(
     folder: Path,
     shape: dict[str, int],
     torch_threads: int | dict[str, int],
+    stream_interval: int,
     rounds: int,
     seed: int,
 ) -> tuple[dict[str, float], dict[str, float], str]:
@@ -169,6 +173,7 @@ def side_by_side(
         "served_model_name": model,
         "engine": ENGINE,
         "torch_threads": torch_threads,
+        "stream_interval": stream_interval,
     }
     local.connect_ray()
     try:
@@ -216,6 +221,12 @@ def main() -> None:
         help="CPU threads per engine of the service, one run each, and with two values one "
         "more 1P1D run (prefill the most, decode the fewest); offline uses torch's default",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=4,
+        help="tokens per streamed chunk of one more run, the last one again (1: no such run)",
+    )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
     systems: dict[str, dict[str, Any]] = {}
@@ -223,8 +234,8 @@ def main() -> None:
         folder = Path(tmp)
         build_checkpoint(folder, quick=args.quick)
         with LLM(str(folder), **ENGINE) as llm:
-            runs: list[tuple[str, dict[str, int], Any]] = [
-                (f"{name} t={threads}", shape, threads)
+            runs: list[tuple[str, dict[str, int], Any, int]] = [
+                (f"{name} t={threads}", shape, threads, 1)
                 for threads in args.torch_threads
                 for name, shape in SHAPES.items()
             ]
@@ -235,16 +246,23 @@ def main() -> None:
                         f"1P1D t={most}P/{fewest}D",
                         SHAPES["1P1D"],
                         {"prefill": most, "decode": fewest},
+                        1,
                     )
                 )
-            for label, shape, threads in runs:
+            if args.stream_interval > 1:
+                label, shape, threads, _ = runs[-1]
+                runs.append(
+                    (f"{label} si={args.stream_interval}", shape, threads, args.stream_interval)
+                )
+            for label, shape, threads, interval in runs:
                 seed = 100 * (len(systems) + 1)
                 offline, service, entry = side_by_side(
-                    llm, folder, shape, threads, args.rounds, seed
+                    llm, folder, shape, threads, interval, args.rounds, seed
                 )
                 systems[label] = {
                     "entry": entry,
                     "torch_threads": threads,
+                    "stream_interval": interval,
                     "offline": offline,
                     "service": service,
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
@@ -253,13 +271,13 @@ def main() -> None:
                     / offline["output_tokens_per_s"],
                 }
     print(
-        f"{'system':>17} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>15}   service vs offline"
+        f"{'system':>22} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>15}   service vs offline"
         "  (offline | service, measured alternately)"
     )
     for name, row in systems.items():
         off, srv = row["offline"], row["service"]
         print(
-            f"{name:>17} {off['ttft_ms']:>6.1f} |{srv['ttft_ms']:>6.1f} ms "
+            f"{name:>22} {off['ttft_ms']:>6.1f} |{srv['ttft_ms']:>6.1f} ms "
             f"{off['itl_ms']:>5.2f} |{srv['itl_ms']:>5.2f} ms "
             f"{off['output_tokens_per_s']:>6.0f} |{srv['output_tokens_per_s']:>6.0f}   "
             f"TTFT {row['ttft_added_ms']:+.1f} ms, ITL {row['itl_ratio']:.2f}x, "

@@ -130,6 +130,7 @@ class EngineActor:
         router: Any | None,
         *,
         torch_threads: int | None = None,
+        stream_interval: int = 1,
         transfer_timeout: float = 30.0,
         transfer_deadline: float = 60.0,
         transfer_host: str | None = None,
@@ -179,6 +180,7 @@ class EngineActor:
                 else None
             ),
             event_sink=sink,
+            stream_interval=stream_interval,
             transfer_timeout=transfer_timeout,
             transfer_deadline=transfer_deadline,
             # Prefill engines on other nodes reach this one at its own node's address.

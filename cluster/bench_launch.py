@@ -59,6 +59,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
     launch.add_argument("--torch-threads", type=int, default=1, help="per engine (default: 1)")
     launch.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens per streamed chunk (default: 1)"
+    )
+    launch.add_argument(
         "--engine-json",
         help=f"EngineConfig fields as JSON, over the defaults {json.dumps(LAUNCH_ENGINE)}",
     )
@@ -92,6 +95,7 @@ def launch_config(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_engine": role(args.prefill_tp) if args.num_prefill else {},
         "decode_engine": role(args.decode_tp),
         "torch_threads": args.torch_threads,
+        "stream_interval": args.stream_interval,
         "api_keys": [args.api_key] if args.api_key else [],
     }
     if args.rank_resources_json:

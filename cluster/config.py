@@ -70,6 +70,13 @@ class ServiceConfig(BaseModel):
         description="CPU threads per engine, for every role or per role ({'prefill': 2, "
         "'decode': 1}; a role left out gets torch's choice); default: torch's choice",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens per streamed chunk: a choice's new tokens go out once there are "
+        "this many (its first and last at once); more spares the CPU each chunk costs, at the "
+        "price of burstier streams",
+    )
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="the longest a transfer waits for its peer's next bytes"
     )

@@ -90,6 +90,7 @@ class Coordinator:
         """The engine's actor; a tensor-parallel engine's first in its own placement group."""
         kwargs: dict[str, Any] = {
             "torch_threads": self.config.threads(engine.role),
+            "stream_interval": self.config.stream_interval,
             "transfer_timeout": self.config.transfer_timeout_s,
             "transfer_deadline": self.config.transfer_deadline_s,
             "transfer_host": self.config.transfer_host,

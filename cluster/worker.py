@@ -66,11 +66,17 @@ class EngineWorker:
         transfer_deadline: float = 60.0,
         transfer_host: str = "127.0.0.1",
         rank_shards: Callable[[Engine], list[RankShardsPort]] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         """`rank_shards`: the shard links of the engine's other ranks (a tensor-parallel
-        engine's rank actors), for transfers with engines of other TP layouts."""
+        engine's rank actors), for transfers with engines of other TP layouts.
+        `stream_interval`: a choice's new tokens go out once there are this many (its first
+        token and its last go at once); see `_deliver`."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: it is at least 1 token")
         self.name = name
         self.role = engine_config.role
+        self.stream_interval = stream_interval
         self.lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._event_sink = event_sink
@@ -492,7 +498,15 @@ class EngineWorker:
             loop.call_soon_threadsafe(accept_all, items)
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
-        """The new tokens of one choice, as an event for its request's stream."""
+        """The new tokens of one choice, as an event for its request's stream; None when
+        there is no stream, or when the tokens wait for more (`stream_interval`: every event
+        costs the path to the client about as much CPU as a decode step's row, so on a busy
+        small machine fewer, larger events leave the engine more of it):
+
+            output tokens | 0 .. sent   | sent .. now        |
+                          | delivered   | new: held while fewer than the interval, unless
+                          |             | nothing was delivered yet or the choice ended
+        """
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
@@ -506,6 +520,12 @@ class EngineWorker:
         if index == 0 and stream.first_output is None:
             stream.first_output = output
         sent = stream.num_sent.get(index, 0)
+        if (
+            output.finish_reason is None
+            and sent > 0
+            and len(output.token_ids) - sent < self.stream_interval
+        ):
+            return None
         new, logprobs = _output_slice(output, sent)
         if output.finish_reason is not None:
             stream.finished.add(index)

@@ -55,6 +55,7 @@ COLOCATED_SERVICE = {
     "engine": ENGINE,
     "api_keys": [API_KEY],
     "torch_threads": 1,
+    "stream_interval": 3,  # streams here come 3 tokens a chunk (the other shape: 1)
     "max_engine_restarts": 0,  # its last test takes the only engine out for good
 }
 

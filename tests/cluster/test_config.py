@@ -74,6 +74,7 @@ def test_threads_apply_to_every_role_or_per_role():
         ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
         ({"engine_actor_option": {}}, "engine_actor_option"),
         ({"torch_threads": 0}, "thread counts are at least 1"),
+        ({"stream_interval": 0}, "stream_interval"),
         ({"torch_threads": {"decode": 0}}, "thread counts are at least 1"),
         ({"torch_threads": {"decoder": 1}}, "torch_threads"),
     ],

@@ -184,6 +184,30 @@ def test_stop_strings_truncate_and_stop(service, offline):
     assert_at_baseline(service)
 
 
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(colocated_service, offline):
+    """The colocated service streams 3 tokens a chunk (tests/service.py): the first token at
+    once, then one chunk per 3; the text is the offline run's, stop strings still cut it."""
+    tokens = offline_tokens(offline, PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
+    full = offline.tokenizer.decode(tokens)
+    params = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    chunks = list(
+        client(colocated_service).completions.create(**params, max_tokens=10, stream=True)
+    )
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * 3 + ["length"]
+    assert "".join(c.choices[0].text for c in chunks) == full
+    stop = full[8:11]
+    stopped = client(colocated_service).completions.create(
+        **params, max_tokens=10, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].text for c in stopped) == full[: full.index(stop)]
+    assert_at_baseline(colocated_service)
+
+
 BAD_REQUESTS = [
     ("not json", 400, "not valid JSON"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),

@@ -92,6 +92,23 @@ def test_colocated_generate_equals_offline():
         colocated.shutdown()
 
 
+def test_a_stream_interval_sends_tokens_in_chunks_of_that_many():
+    """The first token at once, then chunks of 3, the last one when the request ends; the
+    same tokens and logprobs as one event per token."""
+    colocated = worker("colocated", stream_interval=3)
+    try:
+        for max_tokens, sizes in ((10, [1, 3, 3, 3]), (9, [1, 3, 3, 2])):
+            req = request(max_tokens=max_tokens, logprobs=2)
+            events = asyncio.run(collect(colocated.generate(req)))
+            assert [len(e.token_ids) for e in events] == sizes
+            assert tokens_of(events) == offline(max_tokens=max_tokens)
+            assert all(len(e.logprobs or []) == len(e.token_ids) for e in events)
+            assert events[-1].finish_reason == "length"
+        assert_idle_at_baseline(colocated)
+    finally:
+        colocated.shutdown()
+
+
 class FixedRoute:
     """A router that always picks the same pair (the orchestrator's other input)."""
 
@@ -149,6 +166,18 @@ def test_prefill_hands_over_to_decode_with_the_same_tokens(pair):
         events = orchestrate({"prefill": prefill, "decode": decode}, request(**sampling))
         assert tokens_of(events) == offline(**sampling)
     assert prefill.links.bytes_sent > 0
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_decode_engine_s_stream_interval_chunks_what_follows_the_first_token(pair):
+    prefill, decode = pair
+    decode.stream_interval = 3
+    try:
+        events = orchestrate({"prefill": prefill, "decode": decode}, request(max_tokens=10))
+    finally:
+        decode.stream_interval = 1
+    assert [len(e.token_ids) for e in events] == [1, 3, 3, 3]
+    assert tokens_of(events) == offline(max_tokens=10)
     assert_idle_at_baseline(prefill, decode)
 
 
