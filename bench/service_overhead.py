@@ -17,7 +17,7 @@ engine, request by request and batch by batch, and its ratios (service / offline
 against those offline figures. The service runs once per `--torch-threads` value (CPU threads
 per engine; default 1 and 2): offline, the engine has the machine to itself, while a served
 engine shares it with the HTTP path (ingress, the client), and on a small machine an engine
-that takes every core slows that path more than it gains. One more run repeats the last
+that takes every core slows that path more than it gains. Each shape's last run is repeated
 with `--stream-interval` tokens per streamed chunk (the service's `stream_interval`): the
 path's CPU per token, which competes with the engine for the same cores, goes down by about
 that factor.
@@ -249,11 +249,12 @@ def main() -> None:
                         1,
                     )
                 )
-            if args.stream_interval > 1:
-                label, shape, threads, _ = runs[-1]
-                runs.append(
+            if args.stream_interval > 1:  # each shape's last run again
+                last = {run[1]["num_prefill"]: run for run in runs}
+                runs += [
                     (f"{label} si={args.stream_interval}", shape, threads, args.stream_interval)
-                )
+                    for label, shape, threads, _ in last.values()
+                ]
             for label, shape, threads, interval in runs:
                 seed = 100 * (len(systems) + 1)
                 offline, service, entry = side_by_side(

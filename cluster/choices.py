@@ -99,7 +99,10 @@ async def choice_deltas(
             if stats.ttft is None:
                 stats.ttft = now - start
             else:
-                stats.itl.append(now - last)
+                # Tokens that come together (a stream interval, joined events) share the
+                # gap: one latency per token, and their mean is the stream's.
+                num_tokens = len(event.token_ids)
+                stats.itl.extend([(now - last) / num_tokens] * num_tokens)
             last = now
         stats.num_cached_tokens = event.num_cached_tokens
         if event.prompt_logprobs is not None:

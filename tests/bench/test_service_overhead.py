@@ -14,8 +14,8 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
         *("--quick", "--rounds", "2", "--torch-threads", "1", "--stream-interval", "3"),
     )
     systems = result["systems"]
-    assert list(systems) == ["colocated t=1", "1P1D t=1", "1P1D t=1 si=3"]
-    assert [row["stream_interval"] for row in systems.values()] == [1, 1, 3]
+    assert list(systems) == ["colocated t=1", "1P1D t=1", "colocated t=1 si=3", "1P1D t=1 si=3"]
+    assert [row["stream_interval"] for row in systems.values()] == [1, 1, 3, 3]
     for row in systems.values():
         assert row["entry"] == "direct ingress"
         offline, service = row["offline"], row["service"]

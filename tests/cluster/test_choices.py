@@ -1,0 +1,50 @@
+"""The ingress's view of a request's events (cluster/choices.py): text per choice, and the
+latencies the metrics report. Oracle: the tokenizer's own decode of the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from hybridserve.cluster.choices import ChoiceStream, RequestStats, choice_deltas
+from hybridserve.cluster.messages import TokenEvent
+from hybridserve.workers.models.tiny import tiny_tokenizer
+
+
+async def arriving(events: list[tuple[float, TokenEvent]], clock: list[float]):
+    """`events`, each after the clock is set to its arrival time."""
+    for at, event in events:
+        clock[0] = at
+        yield event
+
+
+def run(events: list[tuple[float, TokenEvent]]) -> tuple[str, RequestStats]:
+    tokenizer = tiny_tokenizer()
+    clock = [0.0]
+    choices = [ChoiceStream(0, tokenizer, [], include_stop=False)]
+    stats = RequestStats()
+
+    async def texts(deltas: AsyncIterator) -> str:
+        return "".join([delta.text async for delta in deltas])
+
+    stream = choice_deltas(arriving(events, clock), choices, stats, lambda: clock[0])
+    return asyncio.run(texts(stream)), stats
+
+
+def test_tokens_that_arrive_together_share_their_gap():
+    """A first token, then chunks of 3 and 2 (a stream interval): 1 TTFT, one latency per
+    later token, each chunk's gap split over its tokens."""
+    tokens = [40, 41, 42, 43, 44, 45]
+    text, stats = run(
+        [
+            (0.010, TokenEvent("r", 0, tokens[:1])),
+            (0.040, TokenEvent("r", 1, tokens[1:4])),
+            (0.060, TokenEvent("r", 4, tokens[4:], finish_reason="length")),
+        ]
+    )
+    assert text == tiny_tokenizer().decode(tokens)
+    assert stats.ttft == pytest.approx(0.010)
+    assert stats.itl == pytest.approx([0.010] * 5)
+    assert (stats.num_tokens, stats.finish_reason) == (6, "length")
