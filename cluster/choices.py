@@ -59,9 +59,17 @@ class ChoiceStream:
         self.done = False
 
     def feed(self, event: TokenEvent) -> ChoiceDelta | None:
-        """This event's part of the choice; None once the choice is done (a stop string)."""
+        """This event's part of the choice; None once the choice is done (a stop string).
+        Raises OpenAIError (500) for an event that skips tokens."""
         if self.done:
             return None
+        if event.offset > self.num_tokens:  # text without those tokens would be wrong
+            raise OpenAIError(
+                500,
+                f"choice {self.index}: tokens {self.num_tokens}..{event.offset} never arrived "
+                "from the engine",
+                type="server_error",
+            )
         skip = max(0, self.num_tokens - event.offset)  # a recompute repeats tokens
         token_ids = event.token_ids[skip:]
         logprobs = (

@@ -10,6 +10,7 @@ import pytest
 
 from hybridserve.cluster.choices import ChoiceStream, RequestStats, choice_deltas
 from hybridserve.cluster.messages import TokenEvent
+from hybridserve.cluster.openai_protocol import OpenAIError
 from hybridserve.workers.models.tiny import tiny_tokenizer
 
 
@@ -48,3 +49,18 @@ def test_tokens_that_arrive_together_share_their_gap():
     assert stats.ttft == pytest.approx(0.010)
     assert stats.itl == pytest.approx([0.010] * 5)
     assert (stats.num_tokens, stats.finish_reason) == (6, "length")
+
+
+def test_a_repeated_token_is_skipped_and_a_missing_one_is_an_error():
+    """A recompute may resend tokens the caller has (skipped); an event past the tokens the
+    caller has would leave a hole in the text: a server error, not wrong text."""
+    tokens = [40, 41, 42, 43]
+    text, _ = run(
+        [
+            (0.01, TokenEvent("r", 0, tokens[:2])),
+            (0.02, TokenEvent("r", 1, tokens[1:], finish_reason="length")),
+        ]
+    )
+    assert text == tiny_tokenizer().decode(tokens)
+    with pytest.raises(OpenAIError, match=r"tokens 1\.\.2 never arrived"):
+        run([(0.01, TokenEvent("r", 0, tokens[:1])), (0.02, TokenEvent("r", 2, tokens[2:]))])
