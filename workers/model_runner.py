@@ -229,7 +229,9 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
             return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # Row indices in increasing order: as many as rows means every row (a decode batch).
+        every_row = batch.logits_indices.numel() == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every_row else hidden[batch.logits_indices])
         if logits is None:
             return None  # not the driver: rank 0 samples
 
