@@ -85,9 +85,12 @@ def test_the_summary_has_vllm_bench_serve_keys_and_counts_failures():
 
 def test_the_topology_and_the_launched_service_config():
     topology = ("--num-prefill", "2", "--num-decode", "1", "--prefill-tp", "2", "--decode-tp", "4")
-    args = parse("--launch", *topology, "--rank-resources-json", '{"GPU": 1}')
+    args = parse(
+        "--launch", *topology, "--rank-resources-json", '{"GPU": 1}', "--stream-interval", "2"
+    )
     assert bench_launch.topology_label(args) == "2P(TP2)1D(TP4)"
     config = bench_launch.launch_config(args)
+    assert config["stream_interval"] == 2
     assert config["prefill_engine"] == {"tensor_parallel_size": 2}
     assert config["decode_engine"] == {"tensor_parallel_size": 4}
     assert config["rank_resources"] == {"GPU": 1}

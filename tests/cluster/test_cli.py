@@ -105,3 +105,16 @@ def test_export_tiny_writes_a_loadable_checkpoint(tmp_path, capsys):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["token_ids"] == from_folder
+
+
+def test_serve_flags_become_the_service_config():
+    from pydantic import ValidationError
+
+    from hybridserve.cluster.cli import build_parser, service_config
+
+    argv = ["serve", "--num-prefill", "0", "--torch-threads", "2", "--stream-interval", "4"]
+    config = service_config(build_parser().parse_args(argv))
+    assert (config["num_prefill"], config["torch_threads"], config["stream_interval"]) == (0, 2, 4)
+    assert service_config(build_parser().parse_args(["serve"]))["stream_interval"] == 1
+    with pytest.raises(ValidationError, match="stream_interval"):
+        service_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))
