@@ -225,7 +225,7 @@ def main() -> None:
         "--stream-interval",
         type=int,
         default=4,
-        help="tokens per streamed chunk of one more run, the last one again (1: no such run)",
+        help="tokens per streamed chunk of each shape's last run, run again (1: no such runs)",
     )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()

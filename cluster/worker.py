@@ -499,13 +499,13 @@ class EngineWorker:
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
         """The new tokens of one choice, as an event for its request's stream; None when
-        there is no stream, or when the tokens wait for more (`stream_interval`: every event
-        costs the path to the client about as much CPU as a decode step's row, so on a busy
-        small machine fewer, larger events leave the engine more of it):
+        there is no stream, or when the tokens wait for more (`stream_interval`: on a small
+        CPU machine an event costs the path to the client more CPU than the decode step
+        spends on the row, and that CPU is the engine's; fewer, larger events leave it more):
 
-            output tokens | 0 .. sent   | sent .. now        |
-                          | delivered   | new: held while fewer than the interval, unless
-                          |             | nothing was delivered yet or the choice ended
+            output tokens | 0 .. sent | sent .. len(token_ids)
+                          | delivered | new: out once there are `stream_interval` of them,
+                          |           | at once if nothing was delivered yet or the choice ended
         """
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
