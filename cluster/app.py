@@ -251,9 +251,11 @@ class OpenAIIngress:
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
-        incarnations = topology["incarnations"]
+        incarnations, addresses = topology["incarnations"], topology["addresses"]
         engines = {
-            name: RayEngine(name, handle, self._feed(name, incarnations[name], handle))
+            name: RayEngine(
+                name, handle, self._feed(name, incarnations[name], handle), addresses[name]
+            )
             for name, handle in topology["engines"].items()
         }
 
