@@ -244,8 +244,8 @@ class EngineActor:
         """Run a whole request here; its events go to `subscriber`'s stream."""
         self._outbox(subscriber).submit(GenerateRequest.from_dict(request))
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> None:
-        await self.worker.expect(request_id, num_choices)
+    async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
+        return list(await self.worker.expect(request_id, num_choices))
 
     async def prefill(
         self, request: dict[str, Any], decode_address: list[Any]

@@ -251,11 +251,9 @@ class OpenAIIngress:
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
-        incarnations, addresses = topology["incarnations"], topology["addresses"]
+        incarnations = topology["incarnations"]
         engines = {
-            name: RayEngine(
-                name, handle, self._feed(name, incarnations[name], handle), addresses[name]
-            )
+            name: RayEngine(name, handle, self._feed(name, incarnations[name], handle))
             for name, handle in topology["engines"].items()
         }
 

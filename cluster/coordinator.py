@@ -72,11 +72,6 @@ class Coordinator:
         self.roles = names
         # Engines load their model in parallel; wait for all before taking traffic.
         described = ray.get([engine.describe.remote() for engine in self.engines.values()])
-        # Where each decode engine takes transfers (None for other roles): prefill engines
-        # are sent there while the decode engine opens the request's stream.
-        self.addresses = {
-            name: _address(d) for name, d in zip(self.engines, described, strict=True)
-        }
         self.model_info = {
             "model_id": self.config.model_id,
             "vocab_size": described[0]["vocab_size"],
@@ -141,7 +136,6 @@ class Coordinator:
             "router": self.router,
             "engines": live,
             "incarnations": {n: self.incarnations[n] for n in live},
-            "addresses": {n: self.addresses[n] for n in live},
             "model": self.model_info,
         }
 
@@ -188,7 +182,7 @@ class Coordinator:
         incarnation = self.incarnations[name] + 1
         try:
             handle = await asyncio.to_thread(self._start_engine, name, engine, incarnation)
-            described = await handle.describe.remote()
+            await handle.describe.remote()
         except Exception as exc:
             logger.error("engine %s: restart %d failed: %r", name, attempt, exc)
             group = self.placement_groups.pop(name, None)
@@ -197,7 +191,6 @@ class Coordinator:
             self._schedule_restart(name)
             return
         self.engines[name] = handle
-        self.addresses[name] = _address(described)
         self.incarnations[name] = incarnation
         capacity = None if role == "prefill" else engine.max_num_seqs
         await self.router.add_engine.remote(name, capacity, incarnation)
@@ -267,9 +260,3 @@ class Coordinator:
         await asyncio.gather(*(h.shutdown.remote() for h in live), return_exceptions=True)
         for group in self.placement_groups.values():
             remove_placement_group(group)
-
-
-def _address(described: dict[str, Any]) -> tuple[str, int] | None:
-    """An engine's transfer address from its `describe()`."""
-    address = described["address"]
-    return (str(address[0]), int(address[1])) if address else None

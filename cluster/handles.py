@@ -43,15 +43,12 @@ def _call_detached(method: Any, *args: Any) -> None:
 
 class RayEngine:
     """`feed`: this replica's token stream from the engine (one per engine, shared by every
-    request that runs there); `address`: where a decode engine takes transfers."""
+    request that runs there)."""
 
-    def __init__(
-        self, name: str, handle: Any, feed: EngineFeed, address: tuple[str, int] | None = None
-    ) -> None:
+    def __init__(self, name: str, handle: Any, feed: EngineFeed) -> None:
         self.name = name
         self.handle = handle
         self.feed = feed
-        self.address = address
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -74,8 +71,9 @@ class RayEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         return self._stream(request.request_id, "generate", request.to_dict())
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> None:
-        await self._call("expect", request_id, num_choices)
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        host, port = await self._call("expect", request_id, num_choices)
+        return str(host), int(port)
 
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]

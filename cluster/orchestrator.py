@@ -6,11 +6,9 @@ stream. The ingress runs it for every request; engines are reached through `Engi
                  is allocated) and picks the decode engine, and a prefill engine unless the
                  decode engine should run the whole request (colocated engines, or a short
                  new part of a conversation it holds)
-    2. expect    the decode engine opens the request's stream, while
+    2. expect    the decode engine opens the request's stream and says where to send it
     3. prefill   the prefill engine computes the prompt and the first token and ships the
-                 state to the decode engine's address; the first token streams at once
-                 (neither waits for the other: a transfer that lands before the stream is
-                 open is rejected there, and the request recomputed as in 4)
+                 state to that address; the first token streams at once
     4. decode    the decode engine continues from the transferred state; if the transfer
                  failed (seen by either side, or the prefill engine died), the decode
                  engine's `transfer_failure_policy` decides, in one place (the engine):
@@ -25,7 +23,6 @@ dead.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -52,14 +49,11 @@ class EngineDied(RuntimeError):
 
 
 class EngineClient(Protocol):
-    """An engine as the orchestrator drives it. Raises EngineDied if the engine is gone.
-    `address`: where a decode engine takes transfers (None for other roles)."""
-
-    address: tuple[str, int] | None
+    """An engine as the orchestrator drives it. Raises EngineDied if the engine is gone."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> None: ...
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]: ...
 
     def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
@@ -147,72 +141,55 @@ class Orchestrator:
     async def _disaggregated(
         self, request: GenerateRequest, prefill_name: str, decode_name: str, holding: list[str]
     ) -> AsyncIterator[TokenEvent]:
-        """Steps 2-4, then the decode engine's stream. The decode engine opens the stream
-        while the prefill engine starts: the stream is open by the time the transfer lands,
-        but for a race that the decode engine turns into a recompute (step 4), and the first
-        token does not wait for a round trip to the decode engine. It goes out as soon as the
-        prefill engine has it, while its transfer is still under way; the prefill engine's
-        load is given back (`holding`) once it reports how the transfer went."""
+        """Steps 2-4, then the decode engine's stream. The first token goes out as soon as
+        the prefill engine has it, while its transfer is still under way; the prefill
+        engine's load is given back (`holding`) once it reports how the transfer went."""
         request_id = request.request_id
         decode = self.engines[decode_name]
-        address = decode.address
-        assert address is not None, f"{decode_name} takes no transfers: not a decode engine"
-        # 2. expect, under way while 3. runs
-        expecting = asyncio.ensure_future(decode.expect(request_id, request.params.n))
-        try:
-            # 3. prefill (and the transfer it starts): the first token, then the transfer's fate
-            first: TokenEvent | None = None
-            result: PrefillResult | None = None
-            prefill = self.engines[prefill_name].prefill(request, address)
-            async with contextlib.aclosing(prefill) as run:
-                while True:
-                    try:
-                        message = await anext(run)
-                    except StopAsyncIteration:
-                        break
-                    except EngineDied as dead:  # the prefill engine (nothing else is awaited)
-                        await self.on_engine_dead(dead.name)
-                        if result is None:
-                            result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
-                        break
-                    if isinstance(message, PrefillResult):
-                        result = message
-                        continue
-                    first = message
-                    if first.finished:  # ended by its first token, or refused: no transfer
-                        with contextlib.suppress(EngineDied):  # a dead decode engine holds nothing
-                            await expecting
-                            await decode.release(request_id)
-                        yield first
-                        return
-                    yield first  # to the client now, while the transfer is under way
-            await expecting  # the stream is open: the decode engine can be asked about it
-            if result is None:
-                result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
-            holding.remove(prefill_name)
-            await self.router.release(prefill_name)
-            if result.status == "error":
-                await decode.release(request_id)
-                yield TokenEvent(request_id, 0, finish_reason="error", error=result.detail)
-                return
-            # 4. decode: from the transferred state, or per the decode engine's failure policy
-            if result.status == "transfer_failed":
-                logger.warning(
-                    "request %s: transfer from %s failed (%s)",
-                    request_id,
-                    prefill_name,
-                    result.detail,
-                )
-                delivered = len(first.token_ids) if first is not None else 0
-                await decode.recover(request, delivered, result.detail)
-            cached = first.num_cached_tokens if first is not None else None
-            async for event in self._reported(decode.follow(request_id), cached):
-                yield event
-        finally:
-            # Left early or failed: the stream must be open before anything closes it (the
-            # abort on the way out), and the call's outcome is consumed either way.
-            with contextlib.suppress(Exception):
-                await expecting
+        # 2. expect: the stream is open before anything can arrive
+        address = await decode.expect(request_id, request.params.n)
+        # 3. prefill (and the transfer it starts): the first token, then how the transfer went
+        first: TokenEvent | None = None
+        result: PrefillResult | None = None
+        async with contextlib.aclosing(self.engines[prefill_name].prefill(request, address)) as run:
+            while True:
+                try:
+                    message = await anext(run)
+                except StopAsyncIteration:
+                    break
+                except EngineDied as dead:  # the prefill engine (nothing else is awaited here)
+                    await self.on_engine_dead(dead.name)
+                    if result is None:
+                        result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
+                    break
+                if isinstance(message, PrefillResult):
+                    result = message
+                    continue
+                first = message
+                if first.finished:  # ended by its first token, or refused: no transfer
+                    with contextlib.suppress(EngineDied):  # a dead decode engine holds nothing
+                        await decode.release(request_id)
+                    yield first
+                    return
+                yield first  # to the client now, while the transfer is under way
+        if result is None:
+            result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
+        holding.remove(prefill_name)
+        await self.router.release(prefill_name)
+        if result.status == "error":
+            await decode.release(request_id)
+            yield TokenEvent(request_id, 0, finish_reason="error", error=result.detail)
+            return
+        # 4. decode: from the transferred state, or per the decode engine's failure policy
+        if result.status == "transfer_failed":
+            logger.warning(
+                "request %s: transfer from %s failed (%s)", request_id, prefill_name, result.detail
+            )
+            delivered = len(first.token_ids) if first is not None else 0
+            await decode.recover(request, delivered, result.detail)
+        cached = first.num_cached_tokens if first is not None else None
+        async for event in self._reported(decode.follow(request_id), cached):
+            yield event
 
     @staticmethod
     async def _reported(

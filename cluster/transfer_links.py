@@ -46,10 +46,7 @@ class TransferLinks:
         timeout: float,
         deadline: float,
         rank_shards: Callable[[Engine], list[RankShardsPort]] | None = None,
-        expected: Callable[[str], bool] | None = None,
     ) -> None:
-        """`expected` (decode): whether a request's transfer may land now (its stream is
-        open); a transfer that arrives before is rejected, and the request recomputed."""
         self.name = name
         self.engine = engine
         self.role = config.role
@@ -98,7 +95,6 @@ class TransferLinks:
                 timeout=timeout,
                 deadline=deadline,
                 shards=self.shards,
-                expected=expected,
             )
 
     @property

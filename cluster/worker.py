@@ -113,7 +113,6 @@ class EngineWorker:
                 timeout=transfer_timeout,
                 deadline=transfer_deadline,
                 rank_shards=rank_shards,
-                expected=self._streams.__contains__,
             )
         except BaseException:
             self._stop.set()
@@ -215,15 +214,14 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> None:
-        """Decode role: open the stream of a request a prefill engine is sending here (to
-        `address`). Only a request whose stream is open may land: a transfer that arrives
-        before is rejected (`not_expected`), and the caller has the request recomputed here.
-        Its first token is delivered by the prefill side (as soon as that engine has it), so
-        this stream starts after it; the first tokens of its other choices (n > 1) come from
-        here, where they fork."""
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        """Decode role: open the stream of a request a prefill engine is about to send here;
+        returns where to send it. Its first token is delivered by the prefill side (as soon
+        as that engine has it), so this stream starts after it; the first tokens of its other
+        choices (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
         self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
+        return self.address
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         """Decode role: the transfer of an expected request failed on the prefill side (or

@@ -7,7 +7,7 @@ not import the engine) under the caller's lock, since the engine's own loop step
     connect: Hello + proof ----------------->     secret first, then check layout / hash,
              <------------------ Hello + proof    add peer; or TransferError: unauthenticated
                                                   | layout_mismatch)
-    send(handoff): TransferRequest -------->    expected? then engine.prepare_receive
+    send(handoff): TransferRequest -------->    engine.prepare_receive
              <-- ReceivePlan | TransferError     (rejections hold nothing)
     backend.send (regions)  ------ bytes ---->   backend.receive into the plan's destinations
     TransferDone ---------------------------->   engine.complete_receive
@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -140,9 +139,7 @@ def _handshake_reply(
 
 class TransferReceiver:
     """Accepts prefill peers on a TCP port and lands their transfers in a decode engine.
-    `timeout`: the longest any read waits; `deadline`: the longest one transfer takes;
-    `expected`: whether a request may land here now (else it is rejected, `not_expected`,
-    before anything is allocated); None: every request may."""
+    `timeout`: the longest any read waits; `deadline`: the longest one transfer takes."""
 
     def __init__(
         self,
@@ -157,7 +154,6 @@ class TransferReceiver:
         timeout: float = 30.0,
         deadline: float = 60.0,
         shards: EngineShards | None = None,
-        expected: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
@@ -167,7 +163,6 @@ class TransferReceiver:
         self.timeout = timeout
         self.deadline = deadline
         self.shards = shards
-        self.expected = expected
         # Links closed in their handshake, by reason: unauthenticated, layout_mismatch,
         # malformed (spoke something that is not our protocol, or nothing in time).
         self.refused_links: dict[str, int] = {}
@@ -213,10 +208,6 @@ class TransferReceiver:
         self, channel: Channel, peer: str, sender: PeerLayout, message: TransferRequest
     ) -> None:
         request_id = message.request_id
-        if self.expected is not None and not self.expected(request_id):
-            reason = f"request {request_id} is not expected here (now)"
-            channel.send(TransferError(request_id, "not_expected", reason))
-            return
         shards = self.shards if needs_shard_links(sender, self.layout) else None
         with self.lock:
             try:

@@ -112,9 +112,8 @@ def test_attach_streams_an_expected_request_including_what_arrived_before():
             batches = outbox.batches()
             await anext(batches)
             req = request()
-            await decode.expect(req.request_id)
-            assert decode.address is not None
-            first, result = [m async for m in prefill.prefill(req, decode.address)]
+            address = await decode.expect(req.request_id)
+            first, result = [m async for m in prefill.prefill(req, address)]
             assert isinstance(first, TokenEvent) and result.status == "handed_off"
             await asyncio.sleep(0.2)  # let decode run ahead of the attach
             outbox.attach(req.request_id)
