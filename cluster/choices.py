@@ -12,6 +12,7 @@ event stream, which aborts whatever is left.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from hybridserve.cluster.messages import TokenEvent
 from hybridserve.cluster.openai_protocol import OpenAIError
 from hybridserve.cluster.stop_strings import StopStringMatcher
 from hybridserve.workers.outputs import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,12 +107,13 @@ async def choice_deltas(
     async for event in events:
         now = clock()
         if event.token_ids:
+            # Tokens that come together (a stream interval, joined events) share the gap: one
+            # latency per token after the first, and their mean is the stream's.
+            num_tokens = len(event.token_ids)
             if stats.ttft is None:
                 stats.ttft = now - start
+                stats.itl.extend([0.0] * (num_tokens - 1))  # they came with the first
             else:
-                # Tokens that come together (a stream interval, joined events) share the
-                # gap: one latency per token, and their mean is the stream's.
-                num_tokens = len(event.token_ids)
                 stats.itl.extend([(now - last) / num_tokens] * num_tokens)
             last = now
         stats.num_cached_tokens = event.num_cached_tokens
@@ -125,7 +129,12 @@ async def choice_deltas(
             raise OpenAIError(503, "the request was aborted by the engine")
         if not 0 <= event.index < len(choices):
             raise OpenAIError(500, f"an engine sent choice {event.index} of {len(choices)}")
-        delta = choices[event.index].feed(event)
+        try:
+            delta = choices[event.index].feed(event)
+        except OpenAIError as exc:  # tokens went missing on the way: a bug, not bad input
+            stats.finish_reason = "error"
+            logger.error("request %s: %s", event.request_id, exc.message)
+            raise
         if delta is None:
             continue
         stats.num_tokens += len(delta.token_ids)

@@ -21,11 +21,13 @@ async def arriving(events: list[tuple[float, TokenEvent]], clock: list[float]):
         yield event
 
 
-def run(events: list[tuple[float, TokenEvent]]) -> tuple[str, RequestStats]:
+def run(
+    events: list[tuple[float, TokenEvent]], stats: RequestStats | None = None
+) -> tuple[str, RequestStats]:
     tokenizer = tiny_tokenizer()
     clock = [0.0]
     choices = [ChoiceStream(0, tokenizer, [], include_stop=False)]
-    stats = RequestStats()
+    stats = stats if stats is not None else RequestStats()
 
     async def texts(deltas: AsyncIterator) -> str:
         return "".join([delta.text async for delta in deltas])
@@ -48,6 +50,14 @@ def test_tokens_that_arrive_together_share_their_gap():
     assert text == tiny_tokenizer().decode(tokens)
     assert stats.ttft == pytest.approx(0.010)
     assert stats.itl == pytest.approx([0.010] * 5)
+    # Tokens that came with the first one: no wait between them.
+    _, joined = run(
+        [
+            (0.010, TokenEvent("r", 0, tokens[:3])),
+            (0.040, TokenEvent("r", 3, tokens[3:], finish_reason="length")),
+        ]
+    )
+    assert joined.itl == pytest.approx([0.0, 0.0, 0.010, 0.010, 0.010])
     assert (stats.num_tokens, stats.finish_reason) == (6, "length")
 
 
@@ -62,5 +72,7 @@ def test_a_repeated_token_is_skipped_and_a_missing_one_is_an_error():
         ]
     )
     assert text == tiny_tokenizer().decode(tokens)
+    stats = RequestStats()
     with pytest.raises(OpenAIError, match=r"tokens 1\.\.2 never arrived"):
-        run([(0.01, TokenEvent("r", 0, tokens[:1])), (0.02, TokenEvent("r", 2, tokens[2:]))])
+        run([(0.01, TokenEvent("r", 0, tokens[:1])), (0.02, TokenEvent("r", 2, tokens[2:]))], stats)
+    assert stats.finish_reason == "error"  # counted as a failed request

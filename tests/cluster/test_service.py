@@ -186,7 +186,8 @@ def test_stop_strings_truncate_and_stop(service, offline):
 
 def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(colocated_service, offline):
     """The colocated service streams 3 tokens a chunk (tests/service.py): the first token at
-    once, then one chunk per 3; the text is the offline run's, stop strings still cut it."""
+    once, then one chunk per 3 (or fewer, larger ones: an ingress that falls behind joins
+    what waits for it); the text is the offline run's, stop strings still cut it."""
     tokens = offline_tokens(offline, PROMPT, max_tokens=10, temperature=0, ignore_eos=True)
     full = offline.tokenizer.decode(tokens)
     params = {
@@ -198,7 +199,8 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(colocated_service
     chunks = list(
         client(colocated_service).completions.create(**params, max_tokens=10, stream=True)
     )
-    assert [c.choices[0].finish_reason for c in chunks] == [None] * 3 + ["length"]
+    assert len(chunks) <= 4  # 10 tokens: the first, then 3, 3, 3
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert "".join(c.choices[0].text for c in chunks) == full
     stop = full[8:11]
     stopped = client(colocated_service).completions.create(
