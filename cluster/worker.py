@@ -69,11 +69,8 @@ class EngineWorker:
         stream_interval: int = 1,
     ) -> None:
         """`rank_shards`: the shard links of the engine's other ranks (a tensor-parallel
-        engine's rank actors), for transfers with engines of other TP layouts.
-        `stream_interval`: a choice's new tokens go out once there are this many (its first
-        token and its last go at once); see `_deliver`."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval={stream_interval}: it is at least 1 token")
+        engine's rank actors), for transfers with engines of other TP layouts;
+        `stream_interval`: tokens per event (`_deliver`), validated by the ServiceConfig."""
         self.name = name
         self.role = engine_config.role
         self.stream_interval = stream_interval
@@ -499,14 +496,9 @@ class EngineWorker:
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
         """The new tokens of one choice, as an event for its request's stream; None when
-        there is no stream, or when the tokens wait for more (`stream_interval`: on a small
-        CPU machine an event costs the path to the client more CPU than the decode step
-        spends on the row, and that CPU is the engine's; fewer, larger events leave it more):
-
-            output tokens | 0 .. sent | sent .. len(token_ids)
-                          | delivered | new: out once there are `stream_interval` of them,
-                          |           | at once if nothing was delivered yet or the choice ended
-        """
+        there is no stream, or while fewer than `stream_interval` new tokens wait, unless
+        nothing was delivered yet or the choice ended (an event costs the path to the client
+        more CPU than the step spends on the row: on a small machine, the engine's CPU)."""
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
