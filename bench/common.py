@@ -102,7 +102,9 @@ def make_workload(
     return Workload(concurrency, prompts, output_lens.tolist())
 
 
-def run_ours(folder: Path, workload: Workload, compile_decode: bool = False) -> float:
+def run_ours(
+    folder: Path, workload: Workload, compile_decode: bool = False, native_decode: bool = True
+) -> float:
     """Seconds our engine takes for the workload (continuous batching, at most
     `concurrency` running), after a one-request warm-up (and, with `compile_decode`, after
     the engine compiled its decode step at start)."""
@@ -111,6 +113,7 @@ def run_ours(folder: Path, workload: Workload, compile_decode: bool = False) -> 
         max_num_seqs=workload.concurrency,
         max_num_batched_tokens=2048,
         compile_decode=compile_decode,
+        native_decode=native_decode,
     )
     warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
     llm.generate(workload.prompts[:1], warmup, use_tqdm=False)

@@ -8,7 +8,9 @@ converted to GGUF f32 with llama.cpp's own converter, and llama-server is built 
 timing, greedy tokens for one prompt must agree between the two systems. Then the workload of
 bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs at 1, 8 and 32
 concurrent requests: ours through `LLM.generate` (at most N running), eager and with the
-compiled decode step (`compile_decode`, compiled at engine start, not timed), llama.cpp through N
+compiled decode step (`compile_decode`, compiled at engine start, not timed), both with steps of
+one decode row as one C call (`native_decode`, the default), and compiled without that
+(`no native`: what the native step adds, side by side); llama.cpp through N
 parallel HTTP clients against a server with N slots and continuous batching (`-t 2`). Also:
 prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
 of `--repeats` runs. Beside them, the floor: the output tokens/s that the GEMMs alone allow at
@@ -110,11 +112,15 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
     for workload in workloads:
         concurrency, num_requests = workload.concurrency, len(workload.prompts)
         context = prompt_range[1] + output_range[1] + 16
-        eager = ours = theirs = float("inf")
+        eager = ours = not_native = theirs = float("inf")
         with serving(binary, gguf, slots=concurrency, context=context) as server:
             for _ in range(args.repeats):
                 eager = min(eager, run_ours(folder, workload))
                 ours = min(ours, run_ours(folder, workload, compile_decode=True))
+                not_native = min(
+                    not_native,
+                    run_ours(folder, workload, compile_decode=True, native_decode=False),
+                )
                 theirs = min(theirs, run_theirs(server, workload))
         tokens = workload.num_output_tokens
         rows.append(
@@ -124,6 +130,7 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
                 "output_tokens": tokens,
                 "ours_eager_output_tokens_per_s": tokens / eager,
                 "ours_output_tokens_per_s": tokens / ours,
+                "ours_without_native_output_tokens_per_s": tokens / not_native,
                 "llamacpp_output_tokens_per_s": tokens / theirs,
                 "ratio": theirs / ours,
                 "floor_output_tokens_per_s": floors[concurrency],
@@ -131,7 +138,8 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
         )
         print(
             f"{concurrency:>11} {num_requests:>8} {tokens / eager:>11.1f} {tokens / ours:>14.1f} "
-            f"{tokens / theirs:>14.1f} {theirs / ours:>5.2f}x {floors[concurrency]:>11.1f}",
+            f"{tokens / not_native:>9.1f} {tokens / theirs:>14.1f} {theirs / ours:>5.2f}x "
+            f"{floors[concurrency]:>11.1f}",
             flush=True,
         )
     prompt_len = 256 if args.quick else 2048
@@ -176,7 +184,7 @@ def main() -> None:
                 result["probe_tokens"] = check_agreement(folder, server)
             print(
                 f"{'concurrency':>11} {'requests':>8} {'eager tok/s':>11} {'compiled tok/s':>14} "
-                f"{'llama.cpp tok/s':>14} {'ratio':>6} {'floor tok/s':>11}"
+                f"{'no native':>9} {'llama.cpp tok/s':>14} {'ratio':>6} {'floor tok/s':>11}"
             )
             result |= {"llama_server": str(binary)} | measure(args, folder, binary, gguf)
         except Unavailable as exc:

@@ -12,9 +12,10 @@ ops, forward, sampling), `update` (tokens appended, commits and stop checks) and
 `Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
-mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`) and, on
-CUDA, `graphs` (decode steps replayed as CUDA graphs, `cuda_graphs`; the other two modes run
-with it off).
+mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`),
+`native` (steps of one decode row as one C call, `native_decode`: measured at one running
+request only, where it applies) and, on CUDA, `graphs` (decode steps replayed as CUDA graphs,
+`cuda_graphs`). Each mode runs with the others off.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def mode_of(llm: LLM) -> str:
     runner = llm.engine.executor.driver
     if runner.decode_graphs is not None:
         return "graphs"
+    if runner.native_decode is not None:
+        return "native"
     return "compiled" if runner.compiled_decode is not None else "eager"
 
 
@@ -120,8 +123,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         nargs="+",
-        choices=["eager", "compiled", "graphs"],
-        default=["eager", "compiled"],
+        choices=["eager", "compiled", "native", "graphs"],
+        default=["eager", "compiled", "native"],
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -140,13 +143,15 @@ def main() -> None:
                 max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
                 num_kv_blocks=most * 8 + 64,
                 compile_decode=mode == "compiled",
+                native_decode=mode == "native",
                 cuda_graphs=mode == "graphs",
                 device=args.device,
                 dtype=args.dtype,
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 measure(llm, min(4, most), vocab)  # warm-up
-                results += [measure(llm, n, vocab) for n in args.running]
+                running = [1] if mode == "native" else args.running
+                results += [measure(llm, n, vocab) for n in running]
     print(
         f"{'mode':>8} {'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
         f"{'other':>8} {'outside':>8} {'GEMM floor':>11} {'step/floor':>10}"

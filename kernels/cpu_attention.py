@@ -118,8 +118,7 @@ INLINE void accumulate_values(float *out, float shrink, const float *p, const fl
         for (int64_t d = 0; d < D; ++d) out[d] += p[t] * v[t * D + d];
 }
 
-/* One row's query heads of KV head g (the `group` heads sharing it) over its len tokens.
-   Inlined with D a constant for the common head sizes, so the loops over D unroll. */
+/* One row's query heads of KV head g (the `group` heads sharing it) over its len tokens. */
 INLINE void attend(
         const float *qg, const float *key, const float *value, int64_t block_stride,
         const int64_t *table, int64_t len, int64_t g, int64_t group, int64_t D,
@@ -158,6 +157,20 @@ INLINE void attend(
     }
 }
 
+/* `attend` inlined with D a constant for the common head sizes, so the loops over D unroll.
+   Shared with the one-row decode step (kernels/cpu_decode_step.py). */
+static inline void attend_group(
+        const float *qg, const float *key, const float *value, int64_t block_stride,
+        const int64_t *table, int64_t len, int64_t g, int64_t group, int64_t D,
+        int64_t block_size, float scale, float *o) {
+    if (D == 64)
+        attend(qg, key, value, block_stride, table, len, g, group, 64, block_size, scale, o);
+    else if (D == 128)
+        attend(qg, key, value, block_stride, table, len, g, group, 128, block_size, scale, o);
+    else
+        attend(qg, key, value, block_stride, table, len, g, group, D, block_size, scale, o);
+}
+
 /* q, out: (rows, H, D). key, value: block b's (Hkv, block_size, D) starts b * block_stride
    floats in. tables: (rows, width) block ids; seq_lens: (rows,) tokens to attend to.
    Block by block: the scores of the block's tokens for every query head of the group, then
@@ -171,18 +184,8 @@ void attention_decode_f32(const float *q, const float *key, const float *value,
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < Hkv; ++g) {
             const int64_t offset = (r * H + g * group) * D;
-            const int64_t *table = tables + r * width;
-            const float *qg = q + offset;
-            float *o = out + offset;
-            if (D == 64)
-                attend(qg, key, value, block_stride, table, seq_lens[r], g, group, 64,
-                       block_size, scale, o);
-            else if (D == 128)
-                attend(qg, key, value, block_stride, table, seq_lens[r], g, group, 128,
-                       block_size, scale, o);
-            else
-                attend(qg, key, value, block_stride, table, seq_lens[r], g, group, D,
-                       block_size, scale, o);
+            attend_group(q + offset, key, value, block_stride, tables + r * width, seq_lens[r],
+                         g, group, D, block_size, scale, out + offset);
         }
     }
 }

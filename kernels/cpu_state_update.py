@@ -31,6 +31,27 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+/* One head of one row: its state (P, N) advanced in place and its output (P). dt prepared;
+   b, c: the head's group of B and C (N); skip: D of the head (0 without D). Shared with the
+   one-row decode step (kernels/cpu_decode_step.py). */
+static inline void ssm_update_head(float *state, int64_t P, int64_t N, const float *xs,
+                                   float step, float A, const float *b, const float *c,
+                                   float skip, float *out) {
+    const float decay = expf(step * A);
+    for (int64_t p = 0; p < P; ++p) {
+        float *s = state + p * N;
+        const float input = step * xs[p];
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+            const float v = s[n] * decay + input * b[n];
+            s[n] = v;
+            acc += v * c[n];
+        }
+        out[p] = acc + skip * xs[p];
+    }
+}
+
 /* pool: the layer's state of slot 0; slot s starts slot_stride floats further.
    x: (rows, H, P); dt: (rows, H), prepared (bias, softplus, clamp); A, D: (H,) (D may be
    NULL); B, C: (rows, G, N); y: (rows, H, P). Rows with slot -1 are padding: y = 0. */
@@ -48,25 +69,10 @@ void ssm_update_f32(float *pool, int64_t slot_stride, const int64_t *slots, int6
                 for (int64_t p = 0; p < P; ++p) out[p] = 0.0f;
                 continue;
             }
-            float *state = pool + slot * slot_stride + h * P * N;
-            const float step = dt[r * H + h];
-            const float decay = expf(step * A[h]);
             const int64_t group = r * G + h / heads_per_group;
-            const float *b = B + group * N, *c = C + group * N;
-            const float *xs = x + (r * H + h) * P;
-            const float skip = D ? D[h] : 0.0f;
-            for (int64_t p = 0; p < P; ++p) {
-                float *s = state + p * N;
-                const float input = step * xs[p];
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; ++n) {
-                    const float v = s[n] * decay + input * b[n];
-                    s[n] = v;
-                    acc += v * c[n];
-                }
-                out[p] = acc + skip * xs[p];
-            }
+            ssm_update_head(pool + slot * slot_stride + h * P * N, P, N, x + (r * H + h) * P,
+                            dt[r * H + h], A[h], B + group * N, C + group * N, D ? D[h] : 0.0f,
+                            out);
         }
     }
 }

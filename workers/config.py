@@ -24,6 +24,13 @@ class EngineConfig(BaseModel):
         "step); compiles at engine start, about a minute the first time on a small CPU, "
         "seconds once inductor's cache holds it; tensor_parallel_size 1",
     )
+    native_decode: bool = Field(
+        True,
+        description="on the CPU: run a step that is one request's decode token as one C call "
+        "(the whole forward in one OpenMP team, no per-op dispatch); fp32 models at "
+        "tensor_parallel_size 1 without MoE layers; other steps, and other models, run as "
+        "before (compiled or eager)",
+    )
     cuda_graphs: bool = Field(
         True,
         description="on CUDA: replay decode-only steps as CUDA graphs, captured at engine start "

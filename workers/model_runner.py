@@ -25,6 +25,7 @@ from hybridserve.workers.decode_graphs import (
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.native_decode import NativeDecode
 from hybridserve.workers.outputs import Sample, TokenLogprobs
 from hybridserve.workers.parallel import (
     ParallelContext,
@@ -100,6 +101,7 @@ class ModelRunner:
             logger.info("decode graphs off: %s", unsupported)
         self.capture_graphs = config.cuda_graphs and unsupported is None
         self.decode_graphs: DecodeGraphs | None = None
+        self.native_decode: NativeDecode | None = None  # built with the pools
         self.max_blocks_per_seq = 0  # widest block table (pool_sizes)
         self.block_size = config.block_size
         self.sampler = Sampler()
@@ -175,6 +177,8 @@ class ModelRunner:
             )
         self.caches = StateCaches(kv=kv, conv=conv, ssm=ssm)
         self.memory = CacheMemory(self.caches, self.config.host_cache_bytes, host_counts)
+        if self.config.native_decode and self.device.type == "cpu":
+            self.native_decode = NativeDecode.build(self.model, self.caches)
         if self.compiled_decode is not None:
             self.compiled_decode.warm_up(self.caches, max_rows=self.config.max_num_seqs)
         if self.capture_graphs:
@@ -217,21 +221,29 @@ class ModelRunner:
         )
         items = [chunks[i] for i in order]
         graphs = self.decode_graphs
-        if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
-            # Built on the host: the graphs' input buffers take it through a pinned staging copy.
-            batch, row_ranges = self._build_batch(items, torch.device("cpu"))
-            hidden = graphs.run(batch)
+        if self.native_decode is not None and len(items) == 1 and items[0].is_decode:
+            # One request's decode token: no batch tensors, the forward is one C call.
+            hidden = self.native_decode(items[0])
+            needs_logits = items[0].sampling is not None or items[0].prompt_logprobs is not None
+            logits_indices = torch.zeros(int(needs_logits), dtype=torch.int64)
+            row_ranges = [(0, len(logits_indices) - 1)]
         else:
-            batch, row_ranges = self._build_batch(items, self.device)
-            decode_only = batch.num_decode == batch.num_tokens
-            forward = self.compiled_decode if decode_only and self.compiled_decode else self.model
-            hidden = forward(batch, self.caches)
-        if batch.logits_indices.numel() == 0:
+            if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
+                # On the host: the graphs' input buffers take it through a pinned staging copy.
+                batch, row_ranges = self._build_batch(items, torch.device("cpu"))
+                hidden = graphs.run(batch)
+            else:
+                batch, row_ranges = self._build_batch(items, self.device)
+                decode_only = batch.num_decode == batch.num_tokens
+                compiled = self.compiled_decode
+                hidden = (compiled if decode_only and compiled else self.model)(batch, self.caches)
+            logits_indices = batch.logits_indices
+        if logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
             return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
         # Row indices in increasing order: as many as rows means every row (a decode batch).
-        every_row = batch.logits_indices.numel() == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every_row else hidden[batch.logits_indices])
+        every_row = logits_indices.numel() == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
         if logits is None:
             return None  # not the driver: rank 0 samples
 

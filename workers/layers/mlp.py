@@ -29,6 +29,7 @@ class MLP(nn.Module):
         """With `reduce=False` the output is this rank's partial sum (see RowParallelLinear)."""
         super().__init__()
         self.gated = spec.gated
+        self.activation = spec.activation  # the checkpoint's name (the native decode step)
         self.act = ACTIVATIONS[spec.activation]
         common = {"dtype": dtype, "device": device}
         size = spec.intermediate_size

@@ -1,0 +1,155 @@
+"""The one-request decode step as one C call (workers/native_decode.py) against transformers, on
+each layer shape it serves; models and settings it does not serve keep their other paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybridserve.kernels import cpu_decode_step
+from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers import native_decode as native_decode_module
+from tests.helpers import (
+    assert_pools_at_baseline,
+    hf_greedy,
+    hf_logprobs,
+    make_hf_model,
+    random_prompts,
+)
+
+NEW_TOKENS = 16
+# One request at a time: every decode step is one row, so every one runs the native step.
+PROMPT_LENGTHS = [1, 7, 40]
+DENSE_NEMOTRON = ["linear_attention", "full_attention", "mlp"] * 2  # Mamba2, attention, MLP
+
+# name -> (architecture, config overrides): every layer kind, activation and option the
+# kernel reads.
+SHAPES = {
+    # Mamba2, attention without RoPE, ungated relu2 MLP
+    "nemotron_h": ("nemotron_h", {"layers_block_type": DENSE_NEMOTRON}),
+    # ... with every bias on (in/out projections, conv, attention, MLP)
+    "nemotron_h_biases": (
+        "nemotron_h",
+        {
+            "layers_block_type": DENSE_NEMOTRON,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "mamba_proj_bias": True,
+            "use_conv_bias": True,
+        },
+    ),
+    # RoPE attention, gated silu MLP
+    "bamba": ("bamba", {}),
+    # embedding and residual multipliers, attention multiplier, logits scaling, RoPE, the
+    # shared MLP alone
+    "granite_dense": (
+        "granitemoehybrid",
+        {"num_local_experts": 0, "position_embedding_type": "rope"},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def reference(request, tmp_path_factory):
+    """(checkpoint folder, prompts, HF greedy tokens, HF log-probabilities of prompt + tokens)."""
+    arch, overrides = SHAPES[request.param]
+    model = make_hf_model(arch, **overrides)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+    tokens = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    logprobs = [hf_logprobs(model, p + t) for p, t in zip(prompts, tokens, strict=True)]
+    return folder, prompts, tokens, logprobs
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_one_request_at_a_time_matches_transformers(reference, block_size):
+    """Greedy tokens equal transformers', and each generated token's log-probability (from the
+    native step's hidden state) is transformers' within 1e-4; blocks of 4 tokens make the
+    attention walk up to 14 blocks and write K and V at every offset."""
+    folder, prompts, hf_tokens, hf_table = reference
+    llm = LLM(str(folder), block_size=block_size, max_logprobs=-1)
+    native = llm.engine.executor.driver.native_decode
+    assert native is not None
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    for prompt, expected, table in zip(prompts, hf_tokens, hf_table, strict=True):
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        assert output.token_ids == expected
+        for index, entry in enumerate(output.logprobs):
+            theirs = table[len(prompt) - 1 + index, entry.token_id].item()
+            assert abs(entry.logprob - theirs) <= 1e-4
+    assert native.num_steps == len(prompts) * (NEW_TOKENS - 1)
+    assert_pools_at_baseline(llm.engine)
+
+
+def test_steps_of_several_rows_keep_the_batched_path(reference):
+    """Requests decoding together run the model's batched step; only the one left at the end
+    runs natively, and the tokens are each request's alone."""
+    folder, prompts, hf_tokens, _ = reference
+    llm = LLM(str(folder))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_tokens
+    assert llm.engine.executor.driver.native_decode.num_steps < NEW_TOKENS
+    assert_pools_at_baseline(llm.engine)
+
+
+def test_models_with_moe_layers_keep_their_other_paths(tmp_path, caplog):
+    folder = tmp_path / "moe"
+    make_hf_model("nemotron_h").save_pretrained(folder)
+    with caplog.at_level(logging.INFO, logger=native_decode_module.__name__):
+        llm = LLM(str(folder))
+    assert llm.engine.executor.driver.native_decode is None
+    assert "native decode step: not used (MoE layers)" in caplog.text
+
+
+def test_it_can_be_turned_off_and_the_reference_backend_turns_it_off(monkeypatch):
+    assert LLM("tiny", native_decode=False).engine.executor.driver.native_decode is None
+    monkeypatch.setenv("HYBRIDSERVE_KERNEL_BACKEND", "reference")
+    assert cpu_decode_step.kernel() is None
+    assert LLM("tiny").engine.executor.driver.native_decode is None
+
+
+def test_it_writes_the_states_and_scores_the_models_step_does():
+    """Each one-row decode step of a request runs twice from the same pools, eagerly and
+    natively: the Mamba states and KV blocks after it, the token and its log-probability
+    agree."""
+    llm = LLM("tiny")
+    runner = llm.engine.executor.driver
+    native = runner.native_decode
+    execute = runner.execute
+    compared = 0
+
+    def both_ways(plan):
+        nonlocal compared
+        if not (len(plan.chunks) == 1 and plan.chunks[0].is_decode):
+            return execute(plan)
+        before = [pool.clone() for pool in _pools(runner)]
+        runner.native_decode = None
+        eager = execute(plan)
+        eager_pools = [pool.clone() for pool in _pools(runner)]
+        for pool, saved in zip(_pools(runner), before, strict=True):
+            pool.copy_(saved)
+        runner.native_decode = native
+        ours = execute(plan)
+        for pool, theirs in zip(_pools(runner), eager_pools, strict=True):
+            torch.testing.assert_close(pool, theirs, rtol=1e-5, atol=1e-5)
+        (mine,), (reference,) = ours.samples, eager.samples
+        assert mine.token_ids == reference.token_ids
+        assert abs(mine.logprobs[0].logprob - reference.logprobs[0].logprob) <= 1e-5
+        compared += 1
+        return ours
+
+    runner.execute = both_ways
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm.generate(random_prompts([21], seed=2), params, use_tqdm=False)
+    assert compared == 9
+    assert native.num_steps == 9
+    assert_pools_at_baseline(llm.engine)
+
+
+def _pools(runner):
+    caches = runner.caches
+    return [pool for pool in (caches.conv, caches.ssm, caches.kv) if pool is not None]

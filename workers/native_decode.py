@@ -1,0 +1,204 @@
+"""The one-request decode step on the CPU as one C call (kernels/cpu_decode_step.py).
+
+The model runner sends a step here when it is one decode row (a single request generating);
+every other step runs as before (compiled or eager). The C kernel gets the model once, as a
+table of weight pointers and sizes built from the loaded modules, and the pools' addresses
+and strides; a step passes the token, its context length, block table and Mamba slot.
+
+It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
+attention (with or without RoPE) and dense MLPs; `NativeDecode.build` says why not otherwise
+(MoE layers, say) and the runner keeps its other paths. The tests compare it with the
+model's eager step on the same states (tests/workers/test_native_decode.py), and every
+engine test that decodes one request at a time runs it against transformers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridserve.kernels import cpu_decode_step
+from hybridserve.kernels.cpu_decode_step import Layer, Linear, Model
+from hybridserve.kernels.dispatch import BACKEND_ENV
+from hybridserve.workers.forward_batch import StateCaches
+from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.mamba_mixer import MambaMixer
+from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.models.hybrid import HybridForCausalLM
+from hybridserve.workers.step_plan import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+class Unsupported(Exception):
+    """Why the native step does not apply to a model or its pools."""
+
+
+class NativeDecode:
+    def __init__(self, model: HybridForCausalLM, caches: StateCaches) -> None:
+        """Raises `Unsupported` (with the reason) where the kernel does not apply."""
+        self.model = model
+        self.kernel = cpu_decode_step.kernel()
+        if self.kernel is None:
+            raise Unsupported(f"the C kernel did not build (no compiler, or {BACKEND_ENV})")
+        if model.parallel.tp_size != 1:
+            raise Unsupported(f"tensor_parallel_size {model.parallel.tp_size}")
+        self._keep: list[torch.Tensor] = []  # tensors made here whose addresses the C side holds
+        config = model.config
+        self.hidden_size = config.hidden_size
+        layers = [self._layer(sublayer) for sublayer in model.layers]
+        self._layers = (Layer * len(layers))(*layers)
+        projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
+        mixed = max((_mixed_size(sublayer.op) for sublayer in model.layers), default=1)
+        scratch = [self._scratch(size) for size in (config.hidden_size,) * 2 + (projected, mixed)]
+        self.model_table = Model(
+            num_layers=len(layers),
+            hidden_size=config.hidden_size,
+            layers=self._layers,
+            embed=self._pointer(model.embed.weight),
+            final_norm=self._pointer(model.final_norm.weight),
+            embedding_multiplier=config.embedding_multiplier,
+            residual_multiplier=config.residual_multiplier,
+            norm_eps=config.norm_eps,
+            **_pool_fields(caches),
+            hidden=scratch[0],
+            normed=scratch[1],
+            projected=scratch[2],
+            mixed=scratch[3],
+        )
+        self._model_pointer = ctypes.pointer(self.model_table)
+        self.num_steps = 0  # steps run here
+
+    @classmethod
+    def build(cls, model: nn.Module, caches: StateCaches) -> NativeDecode | None:
+        """The native step for `model`, or None (logged with the reason) where it does not
+        apply."""
+        try:
+            if not isinstance(model, HybridForCausalLM):
+                raise Unsupported(f"{type(model).__name__} is not a hybrid model")
+            native = cls(model, caches)
+        except Unsupported as reason:
+            logger.info("native decode step: not used (%s)", reason)
+            return None
+        logger.info("native decode step: one-request decode steps run as one C call")
+        return native
+
+    def __call__(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """The final-normed hidden state (1, hidden) of a decode row; its states and KV slot
+        are written as the model's step writes them."""
+        assert chunk.is_decode and chunk.num_tokens == 1, "one decode row"
+        table = np.asarray(chunk.block_ids, dtype=np.int64)
+        out = torch.empty((1, self.hidden_size), dtype=torch.float32)
+        self.num_steps += 1
+        self.kernel(
+            self._model_pointer,
+            chunk.token_ids[0],
+            chunk.end,
+            table.ctypes.data,
+            chunk.slot,
+            out.data_ptr(),
+        )
+        return out
+
+    # ---- the model's table ------------------------------------------------------------------
+
+    def _pointer(self, tensor: torch.Tensor | None) -> ctypes._Pointer | None:
+        """A float pointer to `tensor` (None for None); the tensor must outlive this object."""
+        if tensor is None:
+            return None
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            raise Unsupported(f"a {tensor.dtype} tensor on {tensor.device} (fp32 on the CPU only)")
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+            self._keep.append(tensor)
+        return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctypes.c_float))
+
+    def _scratch(self, size: int) -> ctypes._Pointer:
+        buffer = torch.empty(size, dtype=torch.float32)
+        self._keep.append(buffer)
+        return self._pointer(buffer)
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        rows, cols = weight.shape
+        return Linear(self._pointer(weight), self._pointer(bias), rows, cols)
+
+    def _layer(self, sublayer: nn.Module) -> Layer:
+        op = sublayer.op
+        layer = Layer(cache_index=sublayer.cache_index, norm=self._pointer(sublayer.norm.weight))
+        if isinstance(op, MambaMixer):
+            spec = op.spec
+            A = -torch.exp(op.A_log.float())  # as the model's step computes it
+            self._keep.append(A)
+            layer.kind = cpu_decode_step.KIND_MAMBA
+            layer.in_[0] = self._linear(op.in_proj.weight, op.in_proj.bias)
+            layer.out = self._linear(op.out_proj.weight, op.out_proj.bias)
+            layer.conv_weight = self._pointer(op.conv_weight)
+            layer.conv_bias = self._pointer(op.conv_bias)
+            layer.dt_bias, layer.A, layer.D = (self._pointer(t) for t in (op.dt_bias, A, op.D))
+            layer.gate_norm = self._pointer(op.norm_weight)
+            layer.heads, layer.head_dim, layer.groups = op.num_heads, spec.head_dim, op.n_groups
+            layer.state_size, layer.conv_kernel = spec.state_size, spec.conv_kernel
+            layer.conv_silu = spec.activation == "silu"  # as the conv kernels read it
+            layer.gate_eps, layer.dt_min, layer.dt_max = spec.norm_eps, spec.dt_min, spec.dt_max
+        elif isinstance(op, Attention):
+            layer.kind = cpu_decode_step.KIND_ATTENTION
+            for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
+                layer.in_[i] = self._linear(proj.weight, proj.bias)
+            layer.out = self._linear(op.o_proj.weight, op.o_proj.bias)
+            layer.q_heads, layer.kv_heads = op.num_heads, op.num_kv_heads
+            layer.attention_head_dim, layer.scale = op.head_dim, op.scale
+            if op.rope is not None:
+                layer.cos, layer.sin = (
+                    self._pointer(t) for t in (op.rope.cos_cache, op.rope.sin_cache)
+                )
+                layer.rotary_dim = op.rope.rotary_dim
+        elif isinstance(op, MLP):
+            layer.kind = cpu_decode_step.KIND_MLP
+            up = op.gate_up_proj if op.gated else op.up_proj
+            layer.in_[0] = self._linear(up.weight, up.bias)
+            layer.out = self._linear(op.down_proj.weight, op.down_proj.bias)
+            layer.gated = op.gated
+            layer.activation = cpu_decode_step.ACTIVATIONS[op.activation]
+        else:
+            raise Unsupported(f"{type(op).__name__} layers")
+        return layer
+
+
+def _mixed_size(op: nn.Module) -> int:
+    """Floats of the mixer's inner values (kernels/cpu_decode_step.py: `mixed`)."""
+    if isinstance(op, MambaMixer):
+        return 2 * op.intermediate + 2 * op.group_state  # x B C convolved | y
+    if isinstance(op, Attention):
+        return op.num_heads * op.head_dim
+    if isinstance(op, MLP):
+        return op.down_proj.weight.shape[1]
+    return 1
+
+
+def _pool_fields(caches: StateCaches) -> dict[str, object]:
+    """The pools' addresses and strides (in floats) as the kernel reads them; each (slot,
+    layer) state and each block's (Hkv, block_size, D) must be contiguous fp32 on the CPU."""
+    fields: dict[str, object] = {}
+    float_p = ctypes.POINTER(ctypes.c_float)
+    for name, pool in (("conv", caches.conv), ("ssm", caches.ssm), ("kv", caches.kv)):
+        if pool is None:
+            continue
+        if pool.device.type != "cpu" or pool.dtype != torch.float32:
+            raise Unsupported(f"the {name} pool is {pool.dtype} on {pool.device}")
+        inner = pool[0, 0, 0] if name == "kv" else pool[0, 0]
+        if not inner.is_contiguous():
+            raise Unsupported(f"the {name} pool's states are not contiguous")
+        fields[f"{name}_pool"] = ctypes.cast(pool.data_ptr(), float_p)
+    if caches.conv is not None:
+        fields["conv_slot_stride"], fields["conv_layer_stride"] = caches.conv.stride()[:2]
+    if caches.ssm is not None:
+        fields["ssm_slot_stride"], fields["ssm_layer_stride"] = caches.ssm.stride()[:2]
+    if caches.kv is not None:
+        kv = caches.kv
+        fields["kv_block_stride"], fields["kv_layer_stride"] = kv.stride()[:2]
+        fields["kv_value_offset"], fields["block_size"] = kv.stride(2), kv.shape[4]
+    return fields
