@@ -41,7 +41,9 @@ class Unsupported(Exception):
 class NativeDecode:
     def __init__(self, model: HybridForCausalLM, caches: StateCaches) -> None:
         """Raises `Unsupported` (with the reason) where the kernel does not apply."""
-        self.model = model
+        # The C side holds raw addresses of the weights and pools: both are kept, and both are
+        # fixed once loaded and allocated (the runner builds a new NativeDecode with new pools).
+        self.model, self.caches = model, caches
         self.kernel = cpu_decode_step.kernel()
         if self.kernel is None:
             raise Unsupported(f"the C kernel did not build (no compiler, or {BACKEND_ENV})")

@@ -14,17 +14,11 @@ two tests of this module.
 
 from __future__ import annotations
 
-import json
-import random
 import selectors
-import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -33,12 +27,36 @@ from ray import serve
 
 from hybridserve.cluster.openai_protocol import derive_cache_salt
 from hybridserve.workers import LLM
+from tests.cluster.fault_injection import (
+    HEADERS,
+    PROBE_TOKENS,
+    announce_held_events,
+    assert_ends_in_one_error,
+    assert_nothing_held,
+    assert_probe_served,
+    decode_engines,
+    evict_unannounced,
+    fail_next_step,
+    fresh_prompt,
+    hold_receives,
+    hold_steps,
+    injected,
+    num_streams,
+    open_request,
+    receives_done,
+    resume_receives,
+    resume_steps,
+    sse_events,
+    stats,
+    stream_raw,
+    streamed_token_ids,
+    wait_for,
+)
 from tests.service import (
     API_KEY,
     ENGINE,
     PROMPT,
     Service,
-    assert_at_baseline,
     beside,
     client,
     offline_tokens,
@@ -46,13 +64,7 @@ from tests.service import (
 
 pytestmark = pytest.mark.slow
 
-# The functions below that run inside engine actors travel by value: importing this module
-# there (and the client libraries it imports) would cost each engine process seconds.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0, "ignore_eos": True}
-PROBE_TOKENS = 8
 DRAIN_TIMEOUT_S = 2.0
 # 1 prefill + 1 decode engine; long outputs, so a shutdown finds requests that cannot finish.
 FAULTS_SERVICE = {
@@ -84,243 +96,6 @@ def faults(service: Service) -> Iterator[Service]:
         yield deployed
 
 
-# ---- faults injected inside an engine actor (run there through __ray_call__) --------------
-
-
-def _hold_steps(actor: Any, allowed: int) -> None:
-    """The engine runs `allowed` more steps with work, then stalls (its loop keeps beating,
-    but no request advances) until `_resume_steps`."""
-    engine = actor.worker.engine
-    real = type(engine).step
-    budget = [allowed]
-
-    def step() -> list[Any]:
-        if not engine.scheduler.has_unfinished():
-            return real(engine)
-        if budget[0] > 0:
-            budget[0] -= 1
-            return real(engine)
-        # Stalled: idle a moment without the engine lock (the stepping loop holds it here),
-        # so that calls into the engine (stats, abort) are not starved.
-        actor.worker.lock.release()
-        try:
-            time.sleep(0.01)
-        finally:
-            actor.worker.lock.acquire()
-        return []
-
-    engine.step = step
-
-
-def _resume_steps(actor: Any) -> None:
-    vars(actor.worker.engine).pop("step", None)
-
-
-def _hold_receives(actor: Any) -> None:
-    """Incoming transfers wait (after their request arrived, before anything is reserved)
-    until `_resume_receives`; `_receives_done` counts those handled since."""
-    receiver = actor.worker.links.receiver
-    gate = actor.receive_gate = threading.Event()
-    actor.receives_done = 0
-    real = type(receiver)._receive
-
-    def receive(*args: Any) -> None:
-        gate.wait()
-        try:
-            real(receiver, *args)
-        finally:
-            actor.receives_done += 1
-
-    receiver._receive = receive
-
-
-def _resume_receives(actor: Any) -> None:
-    vars(actor.worker.links.receiver).pop("_receive", None)
-    actor.receive_gate.set()
-
-
-def _receives_done(actor: Any) -> int:
-    """Transfers the held receiver has handled (landed, failed or refused) since held."""
-    return actor.receives_done
-
-
-def _fail_next_step(actor: Any) -> None:
-    """The engine's next step raises (then stepping is back to normal)."""
-    engine = actor.worker.engine
-
-    def step() -> list[Any]:
-        del engine.step
-        raise RuntimeError("injected: this step fails")
-
-    engine.step = step
-
-
-def _evict_unannounced(actor: Any) -> int:
-    """Drop every cached block and snapshot, and hold back the removal events: the prefix
-    index keeps saying warm until `_announce_held_events`."""
-    worker = actor.worker
-    with worker._flush_lock, worker.lock:
-        worker.engine.clear_cache()
-        actor.held_events, worker._pending_events = worker._pending_events, []
-    return len(actor.held_events)
-
-
-def _announce_held_events(actor: Any) -> None:
-    """Send the removal events `_evict_unannounced` held back (ahead of any newer ones)."""
-    worker = actor.worker
-    with worker._flush_lock, worker.lock:
-        worker._pending_events[:0] = actor.held_events
-        actor.held_events = []
-    worker._flush_cache_events()
-
-
-def _num_streams(actor: Any) -> int:
-    """Request streams open on the engine (each is a request some caller still follows)."""
-    return len(actor.worker._streams)
-
-
-@contextmanager
-def injected(
-    handles: list[Any], fault: Callable[..., Any], undo: Callable[[Any], Any], *args: Any
-) -> Iterator[None]:
-    """`fault` in each engine actor for the block; undone whatever happens."""
-    ray.get([h.__ray_call__.remote(fault, *args) for h in handles])
-    try:
-        yield
-    finally:
-        ray.get([h.__ray_call__.remote(undo) for h in handles])
-
-
-# ---- helpers ----------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll `predicate` until it is true; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
-def stats(handle: Any) -> dict[str, Any]:
-    """An engine's load, cache and leak figures (what /metrics exports)."""
-    return ray.get(handle.stats.remote())
-
-
-def fresh_prompt(seed: int, length: int) -> list[int]:
-    """Token ids no earlier request shares a block with (the seed picks them)."""
-    rng = random.Random(seed)
-    return [rng.randrange(1, 250) for _ in range(length)]
-
-
-def assert_nothing_held(service: Service) -> None:
-    """`assert_at_baseline`, and what the service keeps per request outside the pools is
-    gone too: the router's load (admission slots) is 0 and no engine has a stream open."""
-    assert_at_baseline(service)
-    router = service.topology()["router"]
-    engines = service.engines()
-
-    def held() -> tuple[dict[str, int], dict[str, int]]:
-        load = ray.get(router.stats.remote())["load"]
-        streams = ray.get([h.__ray_call__.remote(_num_streams) for h in engines.values()])
-        return (
-            {name: n for name, n in load.items() if n},
-            {name: n for name, n in zip(engines, streams, strict=True) if n},
-        )
-
-    deadline = time.monotonic() + 10
-    while any(state := held()):
-        assert time.monotonic() < deadline, f"held (router load, open streams): {state}"
-        time.sleep(0.05)
-
-
-def assert_probe_served(service: Service, expected: list[int]) -> None:
-    """A greedy probe request gets the offline engine's tokens."""
-    reply = client(service).completions.create(
-        model="tiny",
-        prompt=PROMPT,
-        max_tokens=PROBE_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    assert reply.choices[0].token_ids == expected
-
-
-def open_request(service: Service, body: dict[str, Any]) -> socket.socket:
-    """A streamed completion over a plain socket, which the test closes when it chooses."""
-    url = urlsplit(service.base_url)
-    payload = json.dumps({"model": "tiny", "stream": True, **body}).encode()
-    head = (
-        f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    )
-    sock = socket.create_connection((url.hostname, url.port), timeout=30)
-    sock.sendall(head.encode() + payload)
-    return sock
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    """The `data:` events of an SSE body: parsed JSON, or the string "[DONE]"."""
-    events: list[Any] = []
-    for frame in raw.decode().split("\n\n"):
-        if frame.strip():
-            assert frame.startswith("data: "), frame
-            data = frame.removeprefix("data: ")
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def streamed_token_ids(events: list[Any]) -> list[int]:
-    return [
-        t
-        for e in events
-        if isinstance(e, dict)
-        for c in e.get("choices", [])
-        for t in c.get("token_ids") or []
-    ]
-
-
-def assert_ends_in_one_error(raw: bytes, needle: str) -> list[Any]:
-    """Exactly one error event, last, naming `needle`; no [DONE]; no chunk claims the
-    request finished normally (`stop` / `length`). Returns the events."""
-    assert b"data: [DONE]" not in raw
-    events = sse_events(raw)
-    errors = [e for e in events if isinstance(e, dict) and "error" in e]
-    assert len(errors) == 1 and events[-1] is errors[0], events[-3:]
-    assert needle in errors[0]["error"]["message"], errors[0]
-    reasons = {c.get("finish_reason") for e in events[:-1] for c in e["choices"]}
-    assert not reasons & {"stop", "length"}, reasons
-    return events
-
-
-def stream_raw(
-    service: Service, body: dict[str, Any], after_first: Callable[[dict[str, Any]], None]
-) -> bytes:
-    """A streamed completion's raw body; `after_first` runs once the first chunk is in."""
-    raw = b""
-    with httpx.stream(
-        "POST",
-        f"{service.base_url}/v1/completions",
-        json={"model": "tiny", "stream": True, "return_token_ids": True, **body},
-        headers=HEADERS,
-        timeout=60,
-    ) as response:
-        assert response.status_code == 200
-        called = False
-        for chunk in response.iter_raw():
-            raw += chunk
-            if not called and b"\n\n" in raw:
-                called = True
-                after_first(sse_events(raw.split(b"\n\n")[0] + b"\n\n")[0])
-    return raw
-
-
-def decode_engines(service: Service) -> dict[str, Any]:
-    return {n: h for n, h in service.engines().items() if n.startswith("decode-")}
-
-
 # ---- scenario 11: a client disconnect at each phase of a P/D request ---------------------
 # test_service.py::test_a_client_disconnect_aborts_the_request_everywhere covers a disconnect
 # a few tokens into decoding; these cover the phases before it.
@@ -334,7 +109,7 @@ def test_a_disconnect_during_prefill_aborts_it_there(service, probe_tokens):
     prefill = service.engines()["prefill-0"]
     before = stats(prefill)
     prompt = fresh_prompt(1101, 700)  # two prefill chunks: 512 (a snapshot point) + 188
-    with injected([prefill], _hold_steps, _resume_steps, 1):
+    with injected([prefill], hold_steps, resume_steps, 1):
         sock = open_request(service, {"prompt": prompt, "max_tokens": 40, "ignore_eos": True})
         wait_for(
             lambda: stats(prefill)["kv_blocks_in_use"] >= 512 // ENGINE["block_size"],
@@ -359,18 +134,18 @@ def test_a_disconnect_during_the_hand_off_stops_the_request_everywhere(service, 
     decodes = list(decode_engines(service).values())
     prompt = fresh_prompt(1102, 20)
     engines = list(service.engines().values())
-    with injected(decodes, _hold_receives, _resume_receives):
+    with injected(decodes, hold_receives, resume_receives):
         sock = open_request(service, {"prompt": prompt, "max_tokens": 700, "ignore_eos": True})
         wait_for(lambda: stats(prefill)["transfers_in_flight"] == 1, "the hand-off")
         sock.close()
         # The abort has reached both sides before the transfer goes on: the prefill engine
         # (its call cancelled) and the decode engine that expected the request.
         wait_for(
-            lambda: not any(ray.get([h.__ray_call__.remote(_num_streams) for h in engines])),
+            lambda: not any(ray.get([h.__ray_call__.remote(num_streams) for h in engines])),
             "every engine to drop the request's stream",
         )
     wait_for(
-        lambda: sum(ray.get([h.__ray_call__.remote(_receives_done) for h in decodes])) == 1,
+        lambda: sum(ray.get([h.__ray_call__.remote(receives_done) for h in decodes])) == 1,
         "the decode side to settle the transfer",
     )
 
@@ -431,7 +206,7 @@ def test_an_engine_error_mid_stream_ends_in_one_error_event(service, offline, pr
         (running,) = [
             h for h in decode_engines(service).values() if stats(h)["num_requests_running"]
         ]
-        ray.get(running.__ray_call__.remote(_fail_next_step))
+        ray.get(running.__ray_call__.remote(fail_next_step))
 
     raw = stream_raw(service, {"prompt": prompt, "max_tokens": 700, **GREEDY}, fail)
     events = assert_ends_in_one_error(raw, "the engine step failed")
@@ -522,7 +297,7 @@ def test_a_stale_prefix_index_costs_reuse_never_correctness(service, offline):
     name = wait_for(holder, "the first turn's turn-end snapshot in the index")
     engine = decodes[name]
     try:
-        assert ray.get(engine.__ray_call__.remote(_evict_unannounced)) > 0
+        assert ray.get(engine.__ray_call__.remote(evict_unannounced)) > 0
         assert holder() == name  # stale: the index still says warm
         before = {n: stats(h)["num_prompt_tokens_computed"] for n, h in service.engines().items()}
         second = client(service).completions.create(
@@ -530,7 +305,7 @@ def test_a_stale_prefix_index_costs_reuse_never_correctness(service, offline):
         )
         after = {n: stats(h)["num_prompt_tokens_computed"] for n, h in service.engines().items()}
     finally:
-        ray.get(engine.__ray_call__.remote(_announce_held_events))
+        ray.get(engine.__ray_call__.remote(announce_held_events))
     computed = {n: after[n] - before[n] for n in after}
     assert computed == {n: len(second_prompt) if n == name else 0 for n in after}
     assert second.usage.prompt_tokens_details.cached_tokens == 0
@@ -564,7 +339,7 @@ def test_the_prefill_engine_killed_mid_hand_off_leaves_decode_serving(faults, of
             faults, {"prompt": prompt, "max_tokens": 24, **GREEDY}, lambda first: None
         )
 
-    with injected([decode], _hold_receives, _resume_receives):
+    with injected([decode], hold_receives, resume_receives):
         thread = threading.Thread(target=run)
         thread.start()
         wait_for(lambda: stats(prefill)["transfers_in_flight"] == 1, "the hand-off")

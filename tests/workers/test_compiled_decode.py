@@ -1,6 +1,7 @@
 """The compiled decode step around the compiler: its failure leaves the engine eager and
 exact, and configurations it cannot serve are refused. (Its outputs against transformers:
-tests/workers/test_parity.py::test_compiled_decode_matches_transformers.)"""
+tests/workers/test_parity.py::test_compiled_decode_matches_transformers.) The native
+one-request step is off where a test needs the compiled one-row graph to run."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_the_warm_up_compiles_every_graph_a_decode_step_needs():
     width to the KV pool's number of attention layers, both 2 in the warm-up.)"""
     prompts = random_prompts([3, 17, 40, 70], seed=5)
     expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
-    llm = LLM("tiny", compile_decode=True)
+    llm = LLM("tiny", compile_decode=True, native_decode=False)
     compiled = llm.engine.executor.driver.compiled_decode
     assert compiled.enabled
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -78,7 +79,7 @@ def test_engines_of_one_model_class_never_share_graphs(tmp_path):
             make_hf_model("bamba", intermediate_size=width), tmp_path / str(width)
         )
         expected = [o.token_ids for o in LLM(str(folder)).generate(prompts, GREEDY)]
-        engines.append((LLM(str(folder), compile_decode=True), expected))
+        engines.append((LLM(str(folder), compile_decode=True, native_decode=False), expected))
     for _ in range(2):
         for llm, expected in engines:
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected

@@ -40,6 +40,21 @@ SHAPES = {
             "use_conv_bias": True,
         },
     ),
+    # head size 64 (the attention's unrolled path), one KV head, gelu, no conv bias
+    "nemotron_h_head_64": (
+        "nemotron_h",
+        {
+            "layers_block_type": DENSE_NEMOTRON,
+            "head_dim": 64,
+            "num_key_value_heads": 1,
+            "mlp_hidden_act": "gelu",
+            "use_conv_bias": False,
+        },
+    ),
+    # head size 128 (the other unrolled path)
+    "nemotron_h_head_128": ("nemotron_h", {"layers_block_type": DENSE_NEMOTRON, "head_dim": 128}),
+    # no Mamba pools
+    "attention_only": ("nemotron_h", {"layers_block_type": ["full_attention", "mlp"] * 2}),
     # RoPE attention, gated silu MLP
     "bamba": ("bamba", {}),
     # embedding and residual multipliers, attention multiplier, logits scaling, RoPE, the
@@ -85,15 +100,47 @@ def test_one_request_at_a_time_matches_transformers(reference, block_size):
 
 
 def test_steps_of_several_rows_keep_the_batched_path(reference):
-    """Requests decoding together run the model's batched step; only the one left at the end
-    runs natively, and the tokens are each request's alone."""
+    """Requests decoding together run the model's batched step; once the others are done, the
+    last one (in the highest Mamba slot) runs natively, and every request's tokens are its
+    own alone."""
     folder, prompts, hf_tokens, _ = reference
     llm = LLM(str(folder))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    lengths = [NEW_TOKENS // 4, NEW_TOKENS // 2, NEW_TOKENS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == hf_tokens
-    assert llm.engine.executor.driver.native_decode.num_steps < NEW_TOKENS
+    expected = [tokens[:n] for tokens, n in zip(hf_tokens, lengths, strict=True)]
+    assert [o.token_ids for o in outputs] == expected
+    # The last request alone for its last NEW_TOKENS / 2 tokens (its first came with prefill).
+    assert llm.engine.executor.driver.native_decode.num_steps == NEW_TOKENS // 2
     assert_pools_at_baseline(llm.engine)
+
+
+# Shapes transformers does not run as we do: it clamps dt differently in its prompt and
+# decode paths, and cannot generate with a model without attention layers. The oracle is the
+# model's eager step.
+EAGER_ORACLE_SHAPES = {
+    # dt clamped on both sides (inside the spread of dt)
+    "clamped_dt": {"layers_block_type": DENSE_NEMOTRON, "time_step_limit": (0.02, 0.1)},
+    # no KV pool
+    "mamba_only": {"layers_block_type": ["linear_attention", "mlp"] * 2},
+}
+
+
+@pytest.mark.parametrize("shape", list(EAGER_ORACLE_SHAPES))
+def test_shapes_transformers_cannot_check_match_the_eager_step(tmp_path, shape):
+    folder = tmp_path / shape
+    make_hf_model("nemotron_h", **EAGER_ORACLE_SHAPES[shape]).save_pretrained(folder)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+    runs = []
+    for native in (True, False):
+        llm = LLM(str(folder), native_decode=native)
+        assert (llm.engine.executor.driver.native_decode is not None) == native
+        runs.append([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
+    for ours, eager in zip(*runs, strict=True):
+        assert ours.token_ids == eager.token_ids
+        for mine, reference in zip(ours.logprobs, eager.logprobs, strict=True):
+            assert abs(mine.logprob - reference.logprob) <= 1e-5
 
 
 def test_models_with_moe_layers_keep_their_other_paths(tmp_path, caplog):
