@@ -1,7 +1,7 @@
-"""What a step costs outside the model runner: the scheduler and the cache managers, at 1, 32
-and 256 running requests.
+"""What a step costs outside the model runner: the scheduler and the cache managers, at 1, 2,
+32 and 256 running requests.
 
-    python bench/step_overhead.py [--quick] [--running 1 32 256] [--modes eager compiled]
+    python bench/step_overhead.py [--quick] [--running 1 2 32 256] [--modes eager compiled native]
                                   [--device cpu|cuda] [--dtype ...] [--output ...]
 
 One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small
@@ -13,8 +13,8 @@ ops, forward, sampling), `update` (tokens appended, commits and stop checks) and
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
 mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`),
-`native` (steps of one decode row as one C call, `native_decode`: measured at one running
-request only, where it applies) and, on CUDA, `graphs` (decode steps replayed as CUDA graphs,
+`native` (steps of one or two decode rows as one C call, `native_decode`: measured at those
+counts only, where it applies) and, on CUDA, `graphs` (decode steps replayed as CUDA graphs,
 `cuda_graphs`). Each mode runs with the others off.
 """
 
@@ -32,6 +32,7 @@ import torch
 from common import build_checkpoint, gemm_floor_ms, machine, write_result
 
 from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.native_decode import MAX_ROWS as MAX_NATIVE_ROWS
 
 PROMPT_LEN, OUTPUT_LEN = 64, 48
 
@@ -119,7 +120,7 @@ def mode_of(llm: LLM) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
-    parser.add_argument("--running", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 2, 32, 256])
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -150,7 +151,7 @@ def main() -> None:
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
                 measure(llm, min(4, most), vocab)  # warm-up
-                running = [1] if mode == "native" else args.running
+                running = [n for n in args.running if mode != "native" or n <= MAX_NATIVE_ROWS]
                 results += [measure(llm, n, vocab) for n in running]
     print(
         f"{'mode':>8} {'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "

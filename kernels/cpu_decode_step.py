@@ -1,13 +1,13 @@
-"""A whole one-row decode forward on the CPU in one C call: the layers of a hybrid model, one
-OpenMP team, no Python or dispatcher between ops.
+"""A whole decode forward of one or two rows on the CPU in one C call: the layers of a hybrid
+model, one OpenMP team, no Python or dispatcher between ops.
 
 At one request a decode step streams every weight once (~80 MB on the benchmark checkpoint,
 2 ms here); the compiled step spends ~0.8 ms more around its ~90 kernel calls: each call goes
 through the generated Python, each of its own OpenMP parallel regions wakes the team, and
 after 80 MB of weights everything else runs from cold caches. This kernel runs the same
-math with one parallel region for the whole step: the mat-vecs share their rows over the
-team, the small ops between them split by channel, head or group, and the team meets at one
-barrier per op (~4 per layer):
+math with one parallel region for the whole step: the mat-vecs share their weight rows over
+the team (each read once for every decode row), the small ops between them split by row and
+channel, head or group, and the team meets at one barrier per op (~4 per layer):
 
     embed -> per layer: RMSNorm -> mixer -> hidden += residual_multiplier * out -> final norm
 
@@ -19,8 +19,10 @@ barrier per op (~4 per layer):
     mlp:        act(up) or act(gate) * up -> down
 
 The model is described once (`Model`, `Layer`: weight pointers and sizes, built by
-workers/native_decode.py); a step passes the token, its context length, block table and
-Mamba slot, and gets the final-normed hidden state. fp32 weights and states only.
+workers/native_decode.py); a step (`Step`) passes each row's token, context length, block
+table and Mamba slot, and gets the final-normed hidden states. fp32 weights and states only.
+Up to two rows, as the C mat-vec (kernels/cpu_gemm.py: from four rows oneDNN's packed GEMM is
+faster than a loop of dot products).
 """
 
 from __future__ import annotations
@@ -68,9 +70,20 @@ typedef struct {
     int64_t ssm_slot_stride, ssm_layer_stride;
     float *kv_pool;
     int64_t kv_block_stride, kv_layer_stride, kv_value_offset, block_size;
-    /* scratch: the residual stream, its norm, the projections, the mixer's inner values */
+    /* scratch, one row per decode row: the residual stream and its norm (hidden_size), the
+       projections (projected_size), the mixer's inner values (mixed_size) */
     float *hidden, *normed, *projected, *mixed;
+    int64_t projected_size, mixed_size;
 } Model;
+
+/* The step's decode rows: each one token at position seq_len - 1. */
+typedef struct {
+    int64_t rows;
+    const int64_t *seq_lens; /* (rows,) context including the token */
+    const int64_t *tables;   /* (rows, width) KV block ids */
+    int64_t width;
+    const int64_t *slots;    /* (rows,) Mamba slots */
+} Step;
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
@@ -94,88 +107,107 @@ static inline float activate(float x, int64_t activation) {
     }
 }
 
-/* Called by the whole team; one thread normalises, the others wait at the barrier. */
-static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
-#pragma omp single
-    {
-        const float inverse = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
-        for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+/* Called by the whole team (as every function below): a thread per row normalises it. */
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out,
+                     int64_t rows) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        const float inverse = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inverse * weight[i];
     }
 }
 
-/* y = the `count` projections of x laid end to end; their rows shared over the team in
-   shrinking pieces (a VM's threads often run at different speeds). */
-static void project(const Linear *ls, int64_t count, const float *x, float *y) {
+/* Row r of y = the `count` projections of row r of x (hidden_size apart) laid end to end
+   (projected_size apart). Each weight row is read once for every decode row; the weight rows
+   are shared over the team in shrinking pieces (a VM's threads often run at different
+   speeds). */
+static void project(const Model *m, const Linear *ls, int64_t count, const float *x, float *y,
+                    int64_t rows) {
     int64_t total = 0;
     for (int64_t i = 0; i < count; ++i) total += ls[i].rows;
 #pragma omp for schedule(guided, 32)
     for (int64_t o = 0; o < total; ++o) {
-        int64_t i = 0, r = o;
-        while (r >= ls[i].rows) r -= ls[i++].rows;
-        y[o] = row(&ls[i], r, x);
+        int64_t i = 0, w = o;
+        while (w >= ls[i].rows) w -= ls[i++].rows;
+        for (int64_t r = 0; r < rows; ++r)
+            y[r * m->projected_size + o] = row(&ls[i], w, x + r * m->hidden_size);
     }
 }
 
-/* hidden += multiplier * (x W^T + b): the residual add inside the output projection. */
-static void project_residual(const Linear *l, const float *x, float multiplier, float *hidden) {
+/* hidden += multiplier * (x W^T + b), x's rows mixed_size apart: the residual add inside the
+   output projection. */
+static void project_residual(const Model *m, const Linear *l, const float *x, int64_t rows) {
+    const float multiplier = m->residual_multiplier;
 #pragma omp for schedule(guided, 32)
     for (int64_t o = 0; o < l->rows; ++o) {
-        const float out = row(l, o, x);
-        hidden[o] += multiplier == 1.0f ? out : out * multiplier;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float out = row(l, o, x + r * m->mixed_size);
+            m->hidden[r * m->hidden_size + o] += multiplier == 1.0f ? out : out * multiplier;
+        }
     }
 }
 
-static void mamba(const Model *m, const Layer *l, int64_t slot) {
-    const int64_t P = l->head_dim, N = l->state_size, W = l->conv_kernel;
+static void mamba(const Model *m, const Layer *l, const Step *step) {
+    const int64_t P = l->head_dim, N = l->state_size, W = l->conv_kernel, rows = step->rows;
     const int64_t inner = l->heads * P, group_state = l->groups * N;
     const int64_t conv_dim = inner + 2 * group_state;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed);
-    project(l->in, 1, m->normed, m->projected);
-    /* projected: z (inner) | x B C (conv_dim) | dt (heads); mixed: x B C convolved | y */
-    const float *z = m->projected, *xbc = z + inner, *dt = xbc + conv_dim;
-    float *convolved = m->mixed, *y = m->mixed + conv_dim;
-    float *conv_state = m->conv_pool + slot * m->conv_slot_stride +
-                        l->cache_index * m->conv_layer_stride;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < conv_dim; ++c) {
-        /* window: the W - 1 kept inputs (oldest first), then this token's */
-        float *kept = conv_state + c * (W - 1);
-        const float *w = l->conv_weight + c * W;
-        float acc = 0.0f;
-        for (int64_t k = 0; k < W - 1; ++k) acc += kept[k] * w[k];
-        acc += xbc[c] * w[W - 1];
-        if (l->conv_bias) acc += l->conv_bias[c];
-        for (int64_t k = 0; k + 1 < W - 1; ++k) kept[k] = kept[k + 1];
-        kept[W - 2] = xbc[c];
-        convolved[c] = l->conv_silu ? silu(acc) : acc;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 1, m->normed, m->projected, rows);
+    /* a row of projected: z (inner) | x B C (conv_dim) | dt (heads);
+       a row of mixed: x B C convolved (conv_dim) | y (inner) */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < conv_dim; ++c) {
+            /* window: the W - 1 kept inputs (oldest first), then this token's */
+            float *kept = m->conv_pool + step->slots[r] * m->conv_slot_stride +
+                          l->cache_index * m->conv_layer_stride + c * (W - 1);
+            const float input = m->projected[r * m->projected_size + inner + c];
+            const float *w = l->conv_weight + c * W;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < W - 1; ++k) acc += kept[k] * w[k];
+            acc += input * w[W - 1];
+            if (l->conv_bias) acc += l->conv_bias[c];
+            for (int64_t k = 0; k + 1 < W - 1; ++k) kept[k] = kept[k + 1];
+            kept[W - 2] = input;
+            m->mixed[r * m->mixed_size + c] = l->conv_silu ? silu(acc) : acc;
+        }
     }
-    const float *B = convolved + inner, *C = B + group_state;
-    float *states = m->ssm_pool + slot * m->ssm_slot_stride + l->cache_index * m->ssm_layer_stride;
     const int64_t heads_per_group = l->heads / l->groups;
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < l->heads; ++h) {
-        float step = dt[h] + l->dt_bias[h];
-        step = step > 20.0f ? step : log1pf(expf(step)); /* softplus, as torch's */
-        step = fminf(fmaxf(step, l->dt_min), l->dt_max);
-        const int64_t g = h / heads_per_group;
-        ssm_update_head(states + h * P * N, P, N, convolved + h * P, step, l->A[h], B + g * N,
-                        C + g * N, l->D ? l->D[h] : 0.0f, y + h * P);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < l->heads; ++h) {
+            const float *convolved = m->mixed + r * m->mixed_size;
+            const float *B = convolved + inner, *C = B + group_state;
+            float dt = m->projected[r * m->projected_size + inner + conv_dim + h] + l->dt_bias[h];
+            dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, as torch's */
+            dt = fminf(fmaxf(dt, l->dt_min), l->dt_max);
+            const int64_t g = h / heads_per_group;
+            float *states = m->ssm_pool + step->slots[r] * m->ssm_slot_stride +
+                            l->cache_index * m->ssm_layer_stride;
+            ssm_update_head(states + h * P * N, P, N, convolved + h * P, dt, l->A[h], B + g * N,
+                            C + g * N, l->D ? l->D[h] : 0.0f,
+                            m->mixed + r * m->mixed_size + conv_dim + h * P);
+        }
     }
     const int64_t group_size = inner / l->groups;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < l->groups; ++g) {
-        float *yg = y + g * group_size;
-        const float *zg = z + g * group_size;
-        float squares = 0.0f;
-        for (int64_t i = 0; i < group_size; ++i) {
-            yg[i] *= silu(zg[i]);
-            squares += yg[i] * yg[i];
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < l->groups; ++g) {
+            float *y = m->mixed + r * m->mixed_size + conv_dim + g * group_size;
+            const float *z = m->projected + r * m->projected_size + g * group_size;
+            float squares = 0.0f;
+            for (int64_t i = 0; i < group_size; ++i) {
+                y[i] *= silu(z[i]);
+                squares += y[i] * y[i];
+            }
+            const float inverse = 1.0f / sqrtf(squares / (float)group_size + l->gate_eps);
+            for (int64_t i = 0; i < group_size; ++i)
+                y[i] = y[i] * inverse * l->gate_norm[g * group_size + i];
         }
-        const float inverse = 1.0f / sqrtf(squares / (float)group_size + l->gate_eps);
-        for (int64_t i = 0; i < group_size; ++i)
-            yg[i] = yg[i] * inverse * l->gate_norm[g * group_size + i];
     }
-    project_residual(&l->out, y, m->residual_multiplier, m->hidden);
+    project_residual(m, &l->out, m->mixed + conv_dim, rows);
 }
 
 /* The first rotary_dim dims of a head: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
@@ -187,67 +219,81 @@ static inline void rotate(float *x, const float *cos, const float *sin, int64_t 
     }
 }
 
-static void attention(const Model *m, const Layer *l, int64_t seq_len, const int64_t *table) {
+static void attention(const Model *m, const Layer *l, const Step *step) {
     const int64_t D = l->attention_head_dim, H = l->q_heads, Hkv = l->kv_heads;
-    const int64_t position = seq_len - 1, bs = m->block_size;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed);
-    project(l->in, 3, m->normed, m->projected);
-    /* projected: q (H heads) | k (Hkv) | v (Hkv): q and k adjacent, one loop rotates both */
-    float *q = m->projected, *k = q + H * D, *v = k + Hkv * D;
+    const int64_t bs = m->block_size, rows = step->rows, group = H / Hkv;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 3, m->normed, m->projected, rows);
+    /* a row of projected: q (H heads) | k (Hkv) | v (Hkv): q and k adjacent, one loop
+       rotates both */
     if (l->cos) {
         const int64_t half = l->rotary_dim / 2;
-        const float *cos = l->cos + position * half, *sin = l->sin + position * half;
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < H + Hkv; ++h) rotate(q + h * D, cos, sin, half);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t h = 0; h < H + Hkv; ++h) {
+                const int64_t at = (step->seq_lens[r] - 1) * half;
+                rotate(m->projected + r * m->projected_size + h * D, l->cos + at, l->sin + at,
+                       half);
+            }
+        }
     }
     float *key = m->kv_pool + l->cache_index * m->kv_layer_stride;
     float *value = key + m->kv_value_offset;
-    const int64_t block = table[position / bs], offset = position % bs;
-    const int64_t group = H / Hkv;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < Hkv; ++g) {
-        /* each KV head's thread stores the token's K and V, then attends over them */
-        const int64_t at = block * m->kv_block_stride + (g * bs + offset) * D;
-        memcpy(key + at, k + g * D, sizeof(float) * D);
-        memcpy(value + at, v + g * D, sizeof(float) * D);
-        attend_group(q + g * group * D, key, value, m->kv_block_stride, table, seq_len, g, group,
-                     D, bs, l->scale, m->mixed + g * group * D);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < Hkv; ++g) {
+            /* each (row, KV head) stores the token's K and V, then attends over them */
+            const int64_t position = step->seq_lens[r] - 1;
+            const int64_t *table = step->tables + r * step->width;
+            const float *q = m->projected + r * m->projected_size;
+            const float *k = q + H * D, *v = k + Hkv * D;
+            const int64_t at = table[position / bs] * m->kv_block_stride +
+                               (g * bs + position % bs) * D;
+            memcpy(key + at, k + g * D, sizeof(float) * D);
+            memcpy(value + at, v + g * D, sizeof(float) * D);
+            attend_group(q + g * group * D, key, value, m->kv_block_stride, table,
+                         step->seq_lens[r], g, group, D, bs, l->scale,
+                         m->mixed + r * m->mixed_size + g * group * D);
+        }
     }
-    project_residual(&l->out, m->mixed, m->residual_multiplier, m->hidden);
+    project_residual(m, &l->out, m->mixed, rows);
 }
 
-static void mlp(const Model *m, const Layer *l) {
+static void mlp(const Model *m, const Layer *l, const Step *step) {
     const Linear *in = &l->in[0];
-    const int64_t size = l->gated ? in->rows / 2 : in->rows;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed);
+    const int64_t size = l->gated ? in->rows / 2 : in->rows, rows = step->rows;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
 #pragma omp for schedule(guided, 32)
     for (int64_t o = 0; o < size; ++o) {
-        const float first = activate(row(in, o, m->normed), l->activation);
-        m->mixed[o] = l->gated ? first * row(in, size + o, m->normed) : first;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *x = m->normed + r * m->hidden_size;
+            const float first = activate(row(in, o, x), l->activation);
+            m->mixed[r * m->mixed_size + o] = l->gated ? first * row(in, size + o, x) : first;
+        }
     }
-    project_residual(&l->out, m->mixed, m->residual_multiplier, m->hidden);
+    project_residual(m, &l->out, m->mixed, rows);
 }
 
-/* One decode token: `token` at position seq_len - 1, its KV blocks `table`, its Mamba
-   `slot`; writes the final-normed hidden state (hidden_size) to `out`. */
-void decode_one_row(const Model *m, int64_t token, int64_t seq_len, const int64_t *table,
-                    int64_t slot, float *out) {
+/* The step's decode rows, `tokens` (rows,); writes their final-normed hidden states
+   (rows, hidden_size) to `out`. */
+void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float *out) {
+    const int64_t H = m->hidden_size;
 #pragma omp parallel
     {
-        const float *embedded = m->embed + token * m->hidden_size;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m->hidden_size; ++i)
-            m->hidden[i] = embedded[i] * m->embedding_multiplier;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < step->rows; ++r)
+            for (int64_t i = 0; i < H; ++i)
+                m->hidden[r * H + i] = m->embed[tokens[r] * H + i] * m->embedding_multiplier;
         for (int64_t i = 0; i < m->num_layers; ++i) {
             const Layer *l = &m->layers[i];
             if (l->kind == KIND_MAMBA)
-                mamba(m, l, slot);
+                mamba(m, l, step);
             else if (l->kind == KIND_ATTENTION)
-                attention(m, l, seq_len, table);
+                attention(m, l, step);
             else
-                mlp(m, l);
+                mlp(m, l, step);
         }
-        rms_norm(m->hidden, m->final_norm, m->hidden_size, m->norm_eps, out);
+        rms_norm(m->hidden, m->final_norm, H, m->norm_eps, out, step->rows);
     }
 }
 """
@@ -308,16 +354,27 @@ class Model(ctypes.Structure):
         ("kv_value_offset", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         *((name, _float_p) for name in ("hidden", "normed", "projected", "mixed")),
+        ("projected_size", ctypes.c_int64),
+        ("mixed_size", ctypes.c_int64),
     ]
 
 
-_ARGTYPES = [ctypes.POINTER(Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-_ARGTYPES += [ctypes.c_int64, ctypes.c_void_p]
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+    ]
+
+
+_ARGTYPES = [ctypes.POINTER(Model), ctypes.POINTER(Step), ctypes.c_void_p, ctypes.c_void_p]
 
 
 def kernel() -> ctypes._CFuncPtr | None:
-    """`decode_one_row(model, token, seq_len, table, slot, out)`, built at first use; None
+    """`decode_rows(model, step, tokens, out)`, built at first use; None
     without a compiler or with HYBRIDSERVE_KERNEL_BACKEND=reference (torch everywhere)."""
     if os.environ.get(BACKEND_ENV) == "reference":
         return None
-    return c_library.function("decode_step", SOURCE, "decode_one_row", _ARGTYPES)
+    return c_library.function("decode_step", SOURCE, "decode_rows", _ARGTYPES)

@@ -26,8 +26,8 @@ class EngineConfig(BaseModel):
     )
     native_decode: bool = Field(
         True,
-        description="on the CPU: run a step that is one request's decode token as one C call "
-        "(the whole forward in one OpenMP team, no per-op dispatch); fp32 models at "
+        description="on the CPU: run a step of one or two decode rows as one C call (the "
+        "whole forward in one OpenMP team, no per-op dispatch); fp32 models at "
         "tensor_parallel_size 1 without MoE layers; other steps, and other models, run as "
         "before (compiled or eager)",
     )

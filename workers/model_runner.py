@@ -25,6 +25,7 @@ from hybridserve.workers.decode_graphs import (
 from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.native_decode import MAX_ROWS as MAX_NATIVE_ROWS
 from hybridserve.workers.native_decode import NativeDecode
 from hybridserve.workers.outputs import Sample, TokenLogprobs
 from hybridserve.workers.parallel import (
@@ -221,12 +222,11 @@ class ModelRunner:
         )
         items = [chunks[i] for i in order]
         graphs = self.decode_graphs
-        if self.native_decode is not None and len(items) == 1 and items[0].is_decode:
-            # One request's decode token: no batch tensors, the forward is one C call.
-            hidden = self.native_decode(items[0])
-            needs_logits = items[0].sampling is not None or items[0].prompt_logprobs is not None
-            logits_indices = torch.zeros(int(needs_logits), dtype=torch.int64)
-            row_ranges = [(0, len(logits_indices) - 1)]
+        native = self.native_decode
+        if native is not None and len(items) <= MAX_NATIVE_ROWS and all(c.is_decode for c in items):
+            # One or two decode rows: no batch tensors, the forward is one C call.
+            hidden = native(items)
+            logits_indices, row_ranges = _decode_logits_rows(items)
         else:
             if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
                 # On the host: the graphs' input buffers take it through a pinned staging copy.
@@ -331,3 +331,17 @@ class ModelRunner:
             logits_indices=tensor(logits_indices),
         )
         return batch, row_ranges
+
+
+def _decode_logits_rows(items: list[ScheduledChunk]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """For a batch of decode rows (one token each, row i = item i): the rows whose logits are
+    needed, and per item its (first, last) rows in the logits (as `_build_batch` gives them;
+    empty, last < first, for a row that needs none)."""
+    rows: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    for row, chunk in enumerate(items):
+        first = len(rows)
+        if chunk.sampling is not None or chunk.prompt_logprobs is not None:
+            rows.append(row)
+        ranges.append((first, len(rows) - 1))
+    return torch.tensor(rows, dtype=torch.int64), ranges

@@ -1,15 +1,16 @@
-"""The one-request decode step on the CPU as one C call (kernels/cpu_decode_step.py).
+"""Small decode steps on the CPU as one C call (kernels/cpu_decode_step.py).
 
-The model runner sends a step here when it is one decode row (a single request generating);
-every other step runs as before (compiled or eager). The C kernel gets the model once, as a
-table of weight pointers and sizes built from the loaded modules, and the pools' addresses
-and strides; a step passes the token, its context length, block table and Mamba slot.
+The model runner sends a step here when it is one or two decode rows (one or two requests
+generating); every other step runs as before (compiled or eager). The C kernel gets the model
+once, as a table of weight pointers and sizes built from the loaded modules, and the pools'
+addresses and strides; a step passes each row's token, context length, block table and Mamba
+slot.
 
 It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
 attention (with or without RoPE) and dense MLPs; `NativeDecode.build` says why not otherwise
 (MoE layers, say) and the runner keeps its other paths. The tests compare it with the
 model's eager step on the same states (tests/workers/test_native_decode.py), and every
-engine test that decodes one request at a time runs it against transformers.
+engine test that decodes one or two requests at a time runs it against transformers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import cpu_decode_step
-from hybridserve.kernels.cpu_decode_step import Layer, Linear, Model
+from hybridserve.kernels.cpu_decode_step import Layer, Linear, Model, Step
+from hybridserve.kernels.cpu_gemm import GEMV_ROWS
 from hybridserve.kernels.dispatch import BACKEND_ENV
 from hybridserve.workers.forward_batch import StateCaches
 from hybridserve.workers.layers.attention import Attention
@@ -32,6 +34,10 @@ from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.step_plan import ScheduledChunk
 
 logger = logging.getLogger(__name__)
+
+# Decode rows a native step takes: up to the C mat-vec's (from four rows oneDNN's packed GEMM,
+# in the compiled or eager step, is faster than a loop of dot products).
+MAX_ROWS = GEMV_ROWS
 
 
 class Unsupported(Exception):
@@ -56,7 +62,8 @@ class NativeDecode:
         self._layers = (Layer * len(layers))(*layers)
         projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
         mixed = max((_mixed_size(sublayer.op) for sublayer in model.layers), default=1)
-        scratch = [self._scratch(size) for size in (config.hidden_size,) * 2 + (projected, mixed)]
+        sizes = (config.hidden_size, config.hidden_size, projected, mixed)
+        scratch = [self._scratch(MAX_ROWS * size) for size in sizes]
         self.model_table = Model(
             num_layers=len(layers),
             hidden_size=config.hidden_size,
@@ -71,9 +78,11 @@ class NativeDecode:
             normed=scratch[1],
             projected=scratch[2],
             mixed=scratch[3],
+            projected_size=projected,
+            mixed_size=mixed,
         )
         self._model_pointer = ctypes.pointer(self.model_table)
-        self.num_steps = 0  # steps run here
+        self.num_steps = self.num_rows = 0  # steps run here, and their decode rows
 
     @classmethod
     def build(cls, model: nn.Module, caches: StateCaches) -> NativeDecode | None:
@@ -86,24 +95,26 @@ class NativeDecode:
         except Unsupported as reason:
             logger.info("native decode step: not used (%s)", reason)
             return None
-        logger.info("native decode step: one-request decode steps run as one C call")
+        logger.info("native decode step: steps of up to %d decode rows run as one C call", MAX_ROWS)
         return native
 
-    def __call__(self, chunk: ScheduledChunk) -> torch.Tensor:
-        """The final-normed hidden state (1, hidden) of a decode row; its states and KV slot
-        are written as the model's step writes them."""
-        assert chunk.is_decode and chunk.num_tokens == 1, "one decode row"
-        table = np.asarray(chunk.block_ids, dtype=np.int64)
-        out = torch.empty((1, self.hidden_size), dtype=torch.float32)
+    def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The final-normed hidden states (rows, hidden) of up to MAX_ROWS decode rows, in
+        order; their states and KV slots are written as the model's step writes them."""
+        assert 1 <= len(chunks) <= MAX_ROWS and all(c.is_decode for c in chunks), "decode rows"
+        rows = len(chunks)
+        width = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((rows, width), dtype=np.int64)
+        for r, chunk in enumerate(chunks):
+            tables[r, : len(chunk.block_ids)] = chunk.block_ids
+        seq_lens = np.array([c.end for c in chunks], dtype=np.int64)
+        slots = np.array([c.slot for c in chunks], dtype=np.int64)
+        tokens = np.array([c.token_ids[0] for c in chunks], dtype=np.int64)
+        step = Step(rows, seq_lens.ctypes.data, tables.ctypes.data, width, slots.ctypes.data)
+        out = torch.empty((rows, self.hidden_size), dtype=torch.float32)
         self.num_steps += 1
-        self.kernel(
-            self._model_pointer,
-            chunk.token_ids[0],
-            chunk.end,
-            table.ctypes.data,
-            chunk.slot,
-            out.data_ptr(),
-        )
+        self.num_rows += rows
+        self.kernel(self._model_pointer, ctypes.byref(step), tokens.ctypes.data, out.data_ptr())
         return out
 
     # ---- the model's table ------------------------------------------------------------------

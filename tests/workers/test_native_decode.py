@@ -1,4 +1,4 @@
-"""The one-request decode step as one C call (workers/native_decode.py) against transformers, on
+"""Small decode steps as one C call (workers/native_decode.py) against transformers, on
 each layer shape it serves; models and settings it does not serve keep their other paths."""
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ def test_one_request_at_a_time_matches_transformers(reference, block_size):
     assert_pools_at_baseline(llm.engine)
 
 
-def test_steps_of_several_rows_keep_the_batched_path(reference):
-    """Requests decoding together run the model's batched step; once the others are done, the
-    last one (in the highest Mamba slot) runs natively, and every request's tokens are its
-    own alone."""
+def test_steps_of_three_rows_keep_the_batched_path(reference):
+    """Three requests decoding together run the model's batched step; once one is done, the
+    other two run natively together, then the last one (in the highest Mamba slot) alone, and
+    every request's tokens are its own alone."""
     folder, prompts, hf_tokens, _ = reference
     llm = LLM(str(folder))
     lengths = [NEW_TOKENS // 4, NEW_TOKENS // 2, NEW_TOKENS]
@@ -110,8 +110,10 @@ def test_steps_of_several_rows_keep_the_batched_path(reference):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     expected = [tokens[:n] for tokens, n in zip(hf_tokens, lengths, strict=True)]
     assert [o.token_ids for o in outputs] == expected
-    # The last request alone for its last NEW_TOKENS / 2 tokens (its first came with prefill).
-    assert llm.engine.executor.driver.native_decode.num_steps == NEW_TOKENS // 2
+    native = llm.engine.executor.driver.native_decode
+    # The first tokens come with the prompts; tokens 2-4 of all three batched, 5-8 of two
+    # and 9-16 of one natively.
+    assert (native.num_steps, native.num_rows) == (4 + 8, 2 * 4 + 8)
     assert_pools_at_baseline(llm.engine)
 
 
@@ -160,18 +162,17 @@ def test_it_can_be_turned_off_and_the_reference_backend_turns_it_off(monkeypatch
 
 
 def test_it_writes_the_states_and_scores_the_models_step_does():
-    """Each one-row decode step of a request runs twice from the same pools, eagerly and
-    natively: the Mamba states and KV blocks after it, the token and its log-probability
-    agree."""
+    """Each native step of two requests, then of the one left, runs twice from the same pools,
+    eagerly and natively: the Mamba states and KV blocks after it, every row's token and its
+    log-probability agree."""
     llm = LLM("tiny")
     runner = llm.engine.executor.driver
     native = runner.native_decode
     execute = runner.execute
-    compared = 0
+    compared = []
 
     def both_ways(plan):
-        nonlocal compared
-        if not (len(plan.chunks) == 1 and plan.chunks[0].is_decode):
+        if not (len(plan.chunks) <= 2 and all(c.is_decode for c in plan.chunks)):
             return execute(plan)
         before = [pool.clone() for pool in _pools(runner)]
         runner.native_decode = None
@@ -183,17 +184,19 @@ def test_it_writes_the_states_and_scores_the_models_step_does():
         ours = execute(plan)
         for pool, theirs in zip(_pools(runner), eager_pools, strict=True):
             torch.testing.assert_close(pool, theirs, rtol=1e-5, atol=1e-5)
-        (mine,), (reference,) = ours.samples, eager.samples
-        assert mine.token_ids == reference.token_ids
-        assert abs(mine.logprobs[0].logprob - reference.logprobs[0].logprob) <= 1e-5
-        compared += 1
+        for mine, reference in zip(ours.samples, eager.samples, strict=True):
+            assert mine.token_ids == reference.token_ids
+            assert abs(mine.logprobs[0].logprob - reference.logprobs[0].logprob) <= 1e-5
+        compared.append(len(plan.chunks))
         return ours
 
     runner.execute = both_ways
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
-    llm.generate(random_prompts([21], seed=2), params, use_tqdm=False)
-    assert compared == 9
-    assert native.num_steps == 9
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in (6, 10)
+    ]
+    llm.generate(random_prompts([21, 40], seed=2), params, use_tqdm=False)
+    assert compared == [2] * 5 + [1] * 4
+    assert (native.num_steps, native.num_rows) == (9, 14)
     assert_pools_at_baseline(llm.engine)
 
 
