@@ -7,7 +7,7 @@ through the generated Python, each of its own OpenMP parallel regions wakes the 
 after 80 MB of weights everything else runs from cold caches. This kernel runs the same
 math with one parallel region for the whole step: the mat-vecs share their weight rows over
 the team (each read once for every decode row), the small ops between them split by row and
-channel, head or group, and the team meets at one barrier per op (~4 per layer):
+channel, head or group, and the team meets at one barrier per op (3-6 per layer):
 
     embed -> per layer: RMSNorm -> mixer -> hidden += residual_multiplier * out -> final norm
 

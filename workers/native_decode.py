@@ -101,8 +101,10 @@ class NativeDecode:
     def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The final-normed hidden states (rows, hidden) of up to MAX_ROWS decode rows, in
         order; their states and KV slots are written as the model's step writes them."""
-        assert 1 <= len(chunks) <= MAX_ROWS and all(c.is_decode for c in chunks), "decode rows"
         rows = len(chunks)
+        if not (1 <= rows <= MAX_ROWS and all(c.is_decode for c in chunks)):
+            # The scratch holds MAX_ROWS rows: more would write past it.
+            raise ValueError(f"a native step takes 1 to {MAX_ROWS} decode rows, not {rows}")
         width = max(len(c.block_ids) for c in chunks)
         tables = np.zeros((rows, width), dtype=np.int64)
         for r, chunk in enumerate(chunks):
