@@ -40,6 +40,7 @@ TRITON_MODULES = {
 }
 # Public kernel name -> its CPU kernel ("module:function" under `hybridserve.kernels`).
 CPU_KERNELS = {
+    "mamba_chunk_scan": "cpu_scan:mamba_chunk_scan",
     "selective_state_update": "cpu_state_update:selective_state_update",
     "paged_attention_decode": "cpu_attention:paged_attention_decode",
 }
