@@ -34,6 +34,7 @@ from typing import Any
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.request_stream import RequestStream, TokenSink, accept_all
 from hybridserve.cluster.transfer_links import TransferLinks
+from hybridserve.kernels import c_library
 from hybridserve.transceiver.endpoint import SendOutcome
 from hybridserve.transceiver.shards import RankShardsPort
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
@@ -87,6 +88,7 @@ class EngineWorker:
         # The stepping loop's heartbeat: the time it last came round (health() reads it).
         self.last_beat = time.monotonic()
         self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
+        self.cpu_threads: int | None = None  # the stepping thread's OpenMP threads
         self._last_audit = time.monotonic()
         # The engine is built on the thread that steps it. Each thread that runs a torch
         # parallel region gets an OpenMP team of its own, and once a process has more
@@ -137,6 +139,7 @@ class EngineWorker:
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.config.block_size,
             "partial_reuse": self.engine.config.enable_partial_reuse,
+            "cpu_threads": self.cpu_threads,
         }
 
     def health(self, stall_timeout_s: float | None = None) -> None:
@@ -437,6 +440,7 @@ class EngineWorker:
                 self._event_sink(self.name, [event_to_dict(e) for e in events])
 
     def _run(self, engine_config: EngineConfig, built: concurrent.futures.Future[Engine]) -> None:
+        self.cpu_threads = c_library.follow_torch_threads()
         try:
             built.set_result(Engine(engine_config))
         except BaseException as exc:  # the constructor re-raises it

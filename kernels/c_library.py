@@ -115,6 +115,35 @@ def loaded(name: str, symbol: str) -> bool:
     return _functions.get((name, symbol)) is not None
 
 
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime our kernels link: the libgomp torch has loaded (same soname), or
+    None where there is none."""
+    try:
+        return ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
+
+
+def follow_torch_threads() -> int | None:
+    """Give this thread's OpenMP parallel regions torch's thread count, and return it.
+
+    OpenMP keeps a thread count per thread: a new thread starts from OMP_NUM_THREADS (Ray
+    sets it to an actor's CPUs, 1 by default), and `torch.set_num_threads` changes only the
+    calling thread's. Torch's own regions name torch's count; our kernels' plain `omp
+    parallel` regions take the thread's. An engine stepped on a thread of its own in a Ray
+    actor with `torch_threads=2` therefore ran its GEMMs on two threads and every C kernel
+    (the native decode step included) on one. The thread that steps an engine calls this
+    first. None without an OpenMP runtime (the kernels then run on one thread anyway)."""
+    import torch
+
+    runtime = _openmp()
+    if runtime is None:
+        return None
+    runtime.omp_set_num_threads(torch.get_num_threads())
+    return runtime.omp_get_max_threads()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:

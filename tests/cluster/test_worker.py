@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
@@ -76,6 +77,8 @@ def pair():
     prefill, decode = worker("prefill"), worker("decode", transfer_host="127.0.0.2")
     assert decode.address is not None and decode.address[0] == "127.0.0.2"
     assert decode.describe()["address"][0] == "127.0.0.2"
+    # Its stepping thread runs the C kernels on torch's threads (tests/kernels/test_c_library.py).
+    assert decode.describe()["cpu_threads"] == torch.get_num_threads()
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
