@@ -16,7 +16,7 @@ import ray
 from hybridserve.cluster.messages import GenerateRequest
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
-from hybridserve.cluster.token_feed import TokenOutbox
+from hybridserve.cluster.token_feed import FeedServer
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,6 @@ class EngineActor:
             )
         self.router = router
         self.incarnation = incarnation
-        self._outboxes: dict[str, TokenOutbox] = {}
         self._num_batches = 0  # cache event batches sent to the router (flushes are serial)
         sink = None
         if router is not None:
@@ -171,6 +170,9 @@ class EngineActor:
                 seq, self._num_batches = self._num_batches, self._num_batches + 1
                 router.apply_events.remote(engine, incarnation, seq, events)
 
+        # Prefill engines and ingress replicas on other nodes reach this one at its own node's
+        # address.
+        host = transfer_host or ray.util.get_node_ip_address()
         self.worker = EngineWorker(
             name,
             EngineConfig(**engine_config),
@@ -183,9 +185,10 @@ class EngineActor:
             stream_interval=stream_interval,
             transfer_timeout=transfer_timeout,
             transfer_deadline=transfer_deadline,
-            # Prefill engines on other nodes reach this one at its own node's address.
-            transfer_host=transfer_host or ray.util.get_node_ip_address(),
+            transfer_host=host,
         )
+        # Ingress replicas read token batches at the same address (cluster/token_feed.py).
+        self.feeds = FeedServer(self.worker, host)
 
     def describe(self) -> dict[str, Any]:
         return self.worker.describe()
@@ -220,29 +223,16 @@ class EngineActor:
                 raise TimeoutError(f"engine {name}: the router did not apply its cache events")
             await asyncio.sleep(0.01)
 
-    async def subscribe(self, subscriber: str) -> AsyncIterator[dict[str, Any]]:
-        """The token events of every request `subscriber` (an ingress replica) runs or
-        follows here, one TokenBatch per step (cluster/token_feed.py); when the stream
-        ends, whatever the subscriber left running here is aborted."""
-        if subscriber in self._outboxes:
-            raise ValueError(f"{subscriber!r} is already subscribed to {self.worker.name}")
-        outbox = self._outboxes[subscriber] = TokenOutbox(self.worker)
-        try:
-            async for batch in outbox.batches():
-                yield batch.to_dict()
-        finally:
-            del self._outboxes[subscriber]
-            outbox.close()
-
-    def _outbox(self, subscriber: str) -> TokenOutbox:
-        outbox = self._outboxes.get(subscriber)
-        if outbox is None:
-            raise ValueError(f"{subscriber!r} is not subscribed to {self.worker.name}")
-        return outbox
+    async def subscribe(self, subscriber: str) -> dict[str, Any]:
+        """A FeedTicket: where `subscriber` (an ingress replica) reads the token events of
+        every request it runs or follows here, one TokenBatch per step
+        (cluster/token_feed.py); when its connection closes, whatever it left running here
+        is aborted."""
+        return (await self.feeds.admit(subscriber)).to_dict()
 
     async def generate(self, request: dict[str, Any], subscriber: str) -> None:
         """Run a whole request here; its events go to `subscriber`'s stream."""
-        self._outbox(subscriber).submit(GenerateRequest.from_dict(request))
+        self.feeds.outbox(subscriber).submit(GenerateRequest.from_dict(request))
 
     async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
         return list(await self.worker.expect(request_id, num_choices))
@@ -263,7 +253,7 @@ class EngineActor:
 
     async def follow(self, request_id: str, subscriber: str) -> None:
         """Stream an expected request's events to `subscriber`."""
-        self._outbox(subscriber).attach(request_id)
+        self.feeds.outbox(subscriber).attach(request_id)
 
     async def release(self, request_id: str) -> None:
         await self.worker.release(request_id)
@@ -274,5 +264,6 @@ class EngineActor:
     async def drain(self, timeout: float) -> int:
         return await self.worker.drain(timeout)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        self.feeds.close()
         self.worker.shutdown()

@@ -15,7 +15,9 @@ from hybridserve.workers.sampling_params import SamplingParams
 # 3: token events travel in TokenBatches, one per engine step and subscriber.
 # 4: a prefill streams its first token's event ahead of its PrefillResult (which no longer
 #    carries it).
-MESSAGES_VERSION = 4
+# 5: an ingress replica reads an engine's TokenBatches from a TCP connection of their own,
+#    opened with a FeedTicket from the engine actor and a FeedHello.
+MESSAGES_VERSION = 5
 
 M = TypeVar("M", bound="_Message")
 
@@ -160,3 +162,22 @@ class TokenBatch(_Message):
         if isinstance(data, dict) and isinstance(data.get("events"), list):
             data = data | {"events": [TokenEvent.from_dict(e) for e in data["events"]]}
         return super().from_dict(data)
+
+
+@dataclass(frozen=True)
+class FeedTicket(_Message):
+    """Where an ingress replica reads an engine's token batches (cluster/token_feed.py), and
+    the one-time ticket that opens its connection there."""
+
+    host: str
+    port: int
+    ticket: str
+    kind: ClassVar[str] = "feed_ticket"
+
+
+@dataclass(frozen=True)
+class FeedHello(_Message):
+    """The first frame an ingress replica sends on its token feed connection."""
+
+    ticket: str
+    kind: ClassVar[str] = "feed_hello"

@@ -8,6 +8,8 @@ import pytest
 
 from hybridserve.cluster.messages import (
     MESSAGES_VERSION,
+    FeedHello,
+    FeedTicket,
     GenerateRequest,
     MessageError,
     PrefillResult,
@@ -27,6 +29,8 @@ MESSAGES = [
     PrefillResult("r2", "error", detail="token id 9999 is outside the vocabulary"),
     TokenBatch([EVENT, TokenEvent("r2", 0, [5], finish_reason="stop", last=True)]),
     TokenBatch([]),
+    FeedTicket("10.0.0.7", 41234, "5f0c"),
+    FeedHello("5f0c"),
 ]
 
 

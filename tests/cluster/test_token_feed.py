@@ -1,7 +1,8 @@
 """Token events by subscription (cluster/token_feed.py). Engine side: a real EngineWorker
 (tiny model) feeding a TokenOutbox; oracle: an offline engine, and one batch per step
-carrying several requests' events. Ingress side: EngineFeed over a stand-in for the Ray
-stream (the code under test is the demultiplexing and the engine's death)."""
+carrying several requests' events. Both ends over loopback TCP: a real FeedServer and
+EngineFeed. Ingress side alone: EngineFeed against a scripted server (the code under test is
+the demultiplexing and the engine's death)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError
 
-from hybridserve.cluster.messages import TokenBatch, TokenEvent
+from hybridserve.cluster.messages import FeedHello, FeedTicket, TokenBatch, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied
-from hybridserve.cluster.token_feed import EngineFeed, TokenOutbox
+from hybridserve.cluster.token_feed import (
+    EngineFeed,
+    FeedServer,
+    TokenOutbox,
+    frame,
+    read_frame,
+)
 from tests.cluster.test_worker import (
     PROMPT,
     assert_idle_at_baseline,
@@ -129,29 +135,87 @@ def test_attach_streams_an_expected_request_including_what_arrived_before():
 
 
 class ScriptedEngine:
-    """Stands in for an engine actor handle: `subscribe` streams the batches (or the error)
-    put on `script`, as awaitable refs the way Ray's streaming calls hand them back."""
+    """Stands in for an engine actor handle: `subscribe` hands out a ticket for a TCP server
+    of its own, which checks the hello and writes the batches put on `script` as frames
+    (an exception closes the connection: the engine died)."""
 
     def __init__(self) -> None:
         self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
         self.subscribe = self
         self.subscribers: list[str] = []
+        self.hellos: list[FeedHello] = []
 
-    def options(self, **_: Any) -> ScriptedEngine:
-        return self
-
-    def remote(self, subscriber: str) -> AsyncIterator[asyncio.Future[dict[str, Any]]]:
+    async def remote(self, subscriber: str) -> dict[str, Any]:
         self.subscribers.append(subscriber)
-        return self._stream()
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return FeedTicket("127.0.0.1", server.sockets[0].getsockname()[1], "t-1").to_dict()
 
-    async def _stream(self) -> AsyncIterator[asyncio.Future[dict[str, Any]]]:
-        while True:
-            item = await self.script.get()
-            if isinstance(item, BaseException):
-                raise item
-            ref = asyncio.get_running_loop().create_future()
-            ref.set_result(item.to_dict())
-            yield ref
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.hellos.append(FeedHello.from_dict(await read_frame(reader)))
+        while not isinstance(item := await self.script.get(), BaseException):
+            writer.write(frame(item.to_dict()))
+            await writer.drain()
+        writer.close()
+
+
+class FeedServerHandle:
+    """Stands in for an engine actor handle over a real FeedServer: `subscribe` asks it for
+    a ticket, as the actor's method does."""
+
+    def __init__(self, server: FeedServer) -> None:
+        self.server = server
+        self.subscribe = self
+
+    async def remote(self, subscriber: str) -> dict[str, Any]:
+        return (await self.server.admit(subscriber)).to_dict()
+
+
+def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated):
+    """Engine and replica ends together over loopback TCP: the replica's requests stream
+    their tokens (oracle: offline), and when the replica goes, what it left running is
+    aborted."""
+    requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=400)]
+
+    async def scenario() -> list[int]:
+        server = FeedServer(colocated, "127.0.0.1")
+        feed = EngineFeed("colocated", FeedServerHandle(server))
+        queues = [await feed.open(r.request_id) for r in requests]
+        for r in requests:
+            server.outbox(feed.subscriber).submit(r)
+        tokens = tokens_of([e async for e in feed.events(requests[0].request_id, queues[0])])
+        # The replica goes away (its connection closes) while the long request still runs.
+        feed.close(requests[1].request_id)
+        feed.reading.cancel()
+        while server.outboxes:
+            await asyncio.sleep(0.01)
+        server.close()
+        return tokens
+
+    tokens = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert tokens == offline()
+    assert colocated._streams == {}
+    assert_idle_at_baseline(colocated)
+
+
+def test_a_connection_without_a_valid_ticket_gets_nothing(colocated):
+    async def scenario() -> list[bytes]:
+        server = FeedServer(colocated, "127.0.0.1")
+        ticket = await server.admit("replica-1")
+        received = []
+        for hello in (FeedHello("forged"), FeedHello(ticket.ticket), FeedHello(ticket.ticket)):
+            reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
+            writer.write(frame(hello.to_dict()))
+            received.append(await reader.read(1))  # b"": closed without a frame
+            writer.close()
+            while server.outboxes:
+                await asyncio.sleep(0.01)
+        server.close()
+        return received
+
+    # The forged ticket and the reused one are refused; the real one gets the first batch.
+    forged, real, reused = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (forged, len(real), reused) == (b"", 1, b"")
+    assert_idle_at_baseline(colocated)
 
 
 def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death():
@@ -161,6 +225,7 @@ def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death
         engine.script.put_nowait(TokenBatch([]))
         a, b = await feed.open("a"), await feed.open("b")
         assert engine.subscribers == [feed.subscriber]  # one subscription for both
+        assert engine.hellos == [FeedHello("t-1")]  # the ticket it was handed
         engine.script.put_nowait(
             TokenBatch(
                 [
@@ -174,7 +239,7 @@ def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death
         assert tokens_of([e async for e in feed.events("a", a)]) == [1, 3]
         b_events = feed.events("b", b)
         assert (await anext(b_events)).token_ids == [2]
-        engine.script.put_nowait(RayActorError())
+        engine.script.put_nowait(ConnectionResetError())
         with pytest.raises(EngineDied, match="decode-0"):
             await anext(b_events)
         assert feed.dead
@@ -224,7 +289,7 @@ def test_queued_events_still_come_out_before_the_engine_s_death():
         engine.script.put_nowait(TokenBatch([]))
         queue = await feed.open("a")
         engine.script.put_nowait(TokenBatch([TokenEvent("a", 0, [1]), TokenEvent("a", 1, [2])]))
-        engine.script.put_nowait(RayActorError())
+        engine.script.put_nowait(ConnectionResetError())
         while not feed.dead:
             await asyncio.sleep(0.01)
         events = feed.events("a", queue)
