@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from hybridserve.workers.cache.ops import (
@@ -23,6 +24,28 @@ from hybridserve.workers.cache.ops import (
 from hybridserve.workers.forward_batch import StateCaches
 
 logger = logging.getLogger(__name__)
+
+# Integer dtypes by element size: a tensor of any dtype (bf16 included, which numpy lacks)
+# viewed as one of these has numpy's view of the same bytes and strides.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst` <- `src`. Between CPU tensors a plain copy on this thread alone (numpy), never
+    torch's: cache ops run on whichever thread decided them (a transfer's receiving thread
+    applies the evictions its reservation decided before the data lands), and a torch copy
+    there gives that thread an OpenMP team of its own for the rest of its life. With more
+    OpenMP threads than CPUs, libgomp makes every team sleep in its waits instead of
+    spinning: a decode engine's step ran ~1.4x slower after its first received transfer on
+    2 cores. Device copies are queued on the stream (host ones without waiting)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(_as_numpy(dst), _as_numpy(src))
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
 
 
 class CacheMemory:
@@ -104,22 +127,22 @@ class CacheMemory:
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         kv = self.device.kv
         if kv is not None:  # (block, layer, k/v, kv_head, position, dim)
-            kv[dst, :, :, :, :num_tokens] = kv[src, :, :, :, :num_tokens]
+            copy_into(kv[dst, :, :, :, :num_tokens], kv[src, :, :, :, :num_tokens])
 
     def copy_slot(self, src: int, dst: int) -> None:
         for pool in (self.device.conv, self.device.ssm):
             if pool is not None:
-                pool[dst] = pool[src]
+                copy_into(pool[dst], pool[src])
 
     def offload_block(self, block_id: int, host_id: int) -> None:
         assert self.host is not None
         if self.device.kv is not None:
-            self.host.kv[host_id].copy_(self.device.kv[block_id], non_blocking=True)
+            copy_into(self.host.kv[host_id], self.device.kv[block_id])
 
     def load_block(self, host_id: int, block_id: int) -> None:
         assert self.host is not None
         if self.device.kv is not None:
-            self.device.kv[block_id].copy_(self.host.kv[host_id], non_blocking=True)
+            copy_into(self.device.kv[block_id], self.host.kv[host_id])
 
     def offload_slot(self, slot: int, host_slot: int) -> None:
         assert self.host is not None
@@ -128,7 +151,7 @@ class CacheMemory:
             (self.device.ssm, self.host.ssm),
         ):
             if device_pool is not None:
-                host_pool[host_slot].copy_(device_pool[slot], non_blocking=True)
+                copy_into(host_pool[host_slot], device_pool[slot])
 
     def load_slot(self, host_slot: int, slot: int) -> None:
         assert self.host is not None
@@ -137,4 +160,4 @@ class CacheMemory:
             (self.device.ssm, self.host.ssm),
         ):
             if device_pool is not None:
-                device_pool[slot].copy_(host_pool[host_slot], non_blocking=True)
+                copy_into(device_pool[slot], host_pool[host_slot])
