@@ -238,13 +238,12 @@ class EngineActor:
         return list(await self.worker.expect(request_id, num_choices))
 
     async def prefill(
-        self, request: dict[str, Any], decode_answer: list[ray.ObjectRef]
+        self, request: dict[str, Any], decode_address: list[Any]
     ) -> AsyncIterator[dict[str, Any]]:
         """A streaming call: the first token's event as soon as it exists, then the
-        PrefillResult (cluster/worker.py). `decode_answer`: [the decode engine's `expect`
-        call], passed by reference (in a list, so Ray does not wait for it before this call
-        starts): the prompt computes while that answer travels."""
-        messages = self.worker.prefill(GenerateRequest.from_dict(request), decode_answer[0])
+        PrefillResult (cluster/worker.py)."""
+        address = (str(decode_address[0]), int(decode_address[1]))
+        messages = self.worker.prefill(GenerateRequest.from_dict(request), address)
         async with contextlib.aclosing(messages):  # a cancelled call drops the request now
             async for message in messages:
                 yield message.to_dict()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Generator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import ray
@@ -39,26 +39,6 @@ def _call_detached(method: Any, *args: Any) -> None:
     made on the way out (router load never given back, requests left running)."""
     call = functools.partial(method.remote, *args)
     asyncio.get_running_loop().call_soon(call, context=contextvars.Context())
-
-
-class DecodeAnswer:
-    """A decode engine's answer to `expect` (where to send the request), on its way: awaited
-    here it gives (host, port), or EngineDied if that engine is gone; handed to a prefill
-    engine it goes by reference (`ref`)."""
-
-    def __init__(self, name: str, ref: ray.ObjectRef) -> None:
-        self.name = name
-        self.ref = ref
-
-    def __await__(self) -> Generator[Any, None, tuple[str, int]]:
-        return self._resolved().__await__()
-
-    async def _resolved(self) -> tuple[str, int]:
-        try:
-            host, port = await asyncio.shield(self.ref)
-        except RayActorError as exc:
-            raise EngineDied(self.name) from exc
-        return str(host), int(port)
 
 
 class RayEngine:
@@ -91,18 +71,18 @@ class RayEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         return self._stream(request.request_id, "generate", request.to_dict())
 
-    def expect(self, request_id: str, num_choices: int = 1) -> DecodeAnswer:
-        return DecodeAnswer(self.name, self.handle.expect.remote(request_id, num_choices))
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        host, port = await self._call("expect", request_id, num_choices)
+        return str(host), int(port)
 
     async def prefill(
-        self, request: GenerateRequest, address: DecodeAnswer
+        self, request: GenerateRequest, address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
         """One streaming call for the request: the first token's event (unless the request
         was refused), then the PrefillResult. Not shielded: closing it early cancels the
-        call, and the engine then drops the request. The decode engine's answer goes by
-        reference: the prefill engine awaits it only when the state is ready to ship."""
+        call, and the engine then drops the request."""
         stream = self.handle.prefill.options(num_returns="streaming").remote(
-            request.to_dict(), [address.ref]
+            request.to_dict(), list(address)
         )
         complete = False
         try:

@@ -6,10 +6,9 @@ stream. The ingress runs it for every request; engines are reached through `Engi
                  is allocated) and picks the decode engine, and a prefill engine unless the
                  decode engine should run the whole request (colocated engines, or a short
                  new part of a conversation it holds)
-    2. expect    the decode engine opens the request's stream and says where to send it;
-                 the answer goes to the prefill engine, which starts at once (3)
+    2. expect    the decode engine opens the request's stream and says where to send it
     3. prefill   the prefill engine computes the prompt and the first token and ships the
-                 state to that address once it has it; the first token streams at once
+                 state to that address; the first token streams at once
     4. decode    the decode engine continues from the transferred state; if the transfer
                  failed (seen by either side, or the prefill engine died), the decode
                  engine's `transfer_failure_policy` decides, in one place (the engine):
@@ -54,12 +53,10 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
 
-    def expect(self, request_id: str, num_choices: int = 1) -> Awaitable[tuple[str, int]]:
-        """Open the request's stream here now; the answer (where to send it) may be awaited
-        more than once, and handed to another engine's `prefill`."""
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]: ...
 
     def prefill(
-        self, request: GenerateRequest, address: Awaitable[tuple[str, int]]
+        self, request: GenerateRequest, address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]: ...
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None: ...
@@ -149,10 +146,8 @@ class Orchestrator:
         engine's load is given back (`holding`) once it reports how the transfer went."""
         request_id = request.request_id
         decode = self.engines[decode_name]
-        # 2. expect: the stream is open before anything can arrive. Its answer (where to send)
-        #    goes to the prefill engine, which needs it only once the prompt is computed: the
-        #    round trip overlaps the prefill instead of preceding it.
-        address = decode.expect(request_id, request.params.n)
+        # 2. expect: the stream is open before anything can arrive
+        address = await decode.expect(request_id, request.params.n)
         # 3. prefill (and the transfer it starts): the first token, then how the transfer went
         first: TokenEvent | None = None
         result: PrefillResult | None = None
@@ -179,7 +174,6 @@ class Orchestrator:
                 yield first  # to the client now, while the transfer is under way
         if result is None:
             result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
-        await address  # a decode engine that died before it answered: EngineDied, as below
         holding.remove(prefill_name)
         await self.router.release(prefill_name)
         if result.status == "error":

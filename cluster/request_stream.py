@@ -25,10 +25,7 @@ class RequestStream:
     num_sent: dict[int, int] = field(default_factory=dict)  # per choice: tokens queued
     finished: set[int] = field(default_factory=set)  # choices that ended
     prefill_done: asyncio.Future[PrefillResult] | None = None
-    # Prefill role: where the decode engine takes the request, once its answer to `expect`
-    # is in (`destination` waits for it, and says why there is none if it failed).
     decode_address: tuple[str, int] | None = None
-    destination: asyncio.Task[str | None] | None = None
     # The engine is done with the request here (its final output, or the prefill's transfer
     # outcome): closing the stream has nothing to abort. A failed NIXL send's pages stay
     # with the sender until the lease ends, as a late write may still land.

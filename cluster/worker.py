@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
@@ -215,17 +214,14 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
-    def expect(self, request_id: str, num_choices: int = 1) -> asyncio.Future[tuple[str, int]]:
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
         """Decode role: open the stream of a request a prefill engine is about to send here;
-        returns where to send it (a future, done already: a prefill engine takes it as it
-        takes a remote engine's answer). Its first token is delivered by the prefill side (as
-        soon as that engine has it), so this stream starts after it; the first tokens of its
-        other choices (n > 1) come from here, where they fork."""
+        returns where to send it. Its first token is delivered by the prefill side (as soon
+        as that engine has it), so this stream starts after it; the first tokens of its other
+        choices (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
         self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
-        answer: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
-        answer.set_result(self.address)
-        return answer
+        return self.address
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         """Decode role: the transfer of an expected request failed on the prefill side (or
@@ -320,15 +316,13 @@ class EngineWorker:
         return stream
 
     async def prefill(
-        self, request: GenerateRequest, decode_address: Awaitable[Sequence[Any]]
+        self, request: GenerateRequest, decode_address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
-        """Prefill role: compute the prompt and first token, and ship the request to the
-        decode engine at `decode_address`: that engine's answer to `expect` (host, port),
-        awaited while the prompt computes, so its round trip is not on the way to the first
-        token. Yields the first token's event as soon as it exists (the transfer is under way
-        then), and last the PrefillResult: how the transfer went."""
+        """Prefill role: compute the prompt and first token, and ship the request to
+        `decode_address`. Yields the first token's event as soon as it exists (the transfer
+        is under way then), and last the PrefillResult: how the transfer went."""
         stream = self._open(request.request_id)
-        stream.destination = asyncio.ensure_future(self._destination(stream, decode_address))
+        stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
         stream.prefill_done = stream.loop.create_future()
         try:
             try:
@@ -344,17 +338,6 @@ class EngineWorker:
             yield await stream.prefill_done
         finally:
             self._close(request.request_id)  # also when closed early: aborts it here
-
-    @staticmethod
-    async def _destination(stream: RequestStream, answer: Awaitable[Sequence[Any]]) -> str | None:
-        """Wait for the decode engine's answer to `expect`: the address goes on the stream;
-        returns why there is none (the decode engine died, or refused the request)."""
-        try:
-            host, port = await answer
-        except Exception as exc:
-            return f"the decode engine did not take the request: {exc}"
-        stream.decode_address = (str(host), int(port))
-        return None
 
     def clear_cache(self) -> None:
         """Drop every cached block and snapshot and send the removal events now."""
@@ -416,8 +399,6 @@ class EngineWorker:
     def _close(self, request_id: str) -> None:
         """The caller is done (finished, cancelled or failed): nothing may stay behind."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None and stream.destination is not None:
-            stream.destination.cancel()  # nobody waits for that answer any more
         if stream is not None and not stream.ended:
             self._abort(request_id)
 
@@ -566,47 +547,16 @@ class EngineWorker:
         return stream, event
 
     def _ship(self, handoff: Handoff) -> None:
-        """On the stepping thread: send the hand-off to its decode engine, at once if that
-        engine's answer is in (nearly always: it came back while the prompt computed), else
-        from the loop once it is."""
         request_id = handoff.request.request_id
         stream = self._streams.get(request_id)
-        if stream is None or stream.destination is None:
+        if stream is None or stream.decode_address is None:
             with self.lock:
                 self.engine.release_handoff(request_id, "no destination")
             return
-        if stream.decode_address is not None:
-            self._send(stream, handoff, stream.decode_address)
-            return
-        ship = functools.partial(self._ship_when_answered, stream, handoff)
-        stream.loop.call_soon_threadsafe(stream.destination.add_done_callback, ship)
-
-    def _ship_when_answered(
-        self, stream: RequestStream, handoff: Handoff, destination: asyncio.Task[str | None]
-    ) -> None:
-        """On the loop, once the decode engine's answer is in."""
-        request_id = handoff.request.request_id
-        if destination.cancelled():  # the prefill was closed: nobody waits for the transfer
-            with self.lock:
-                self.engine.release_handoff(request_id, "the prefill was closed")
-            return
-        failure = destination.result()
-        if failure is None and stream.decode_address is not None:
-            self._send(stream, handoff, stream.decode_address)
-            return
-        with self.lock:
-            self.engine.release_handoff(request_id, failure or "no destination")
-        self._count_failure("no_destination")
-        stream.ended = True
-        done = stream.prefill_done
-        if done is not None and not done.done():
-            done.set_result(PrefillResult(request_id, "transfer_failed", detail=failure or ""))
-
-    def _send(self, stream: RequestStream, handoff: Handoff, address: tuple[str, int]) -> None:
         self.links.send(
-            handoff.request.request_id,
+            request_id,
             handoff.message,
-            address,
+            stream.decode_address,
             lambda outcome: self._shipped(stream, outcome),
         )
 

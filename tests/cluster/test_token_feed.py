@@ -118,7 +118,7 @@ def test_attach_streams_an_expected_request_including_what_arrived_before():
             batches = outbox.batches()
             await anext(batches)
             req = request()
-            address = decode.expect(req.request_id)
+            address = await decode.expect(req.request_id)
             first, result = [m async for m in prefill.prefill(req, address)]
             assert isinstance(first, TokenEvent) and result.status == "handed_off"
             await asyncio.sleep(0.2)  # let decode run ahead of the attach

@@ -9,7 +9,6 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import pytest
@@ -137,18 +136,16 @@ class Unreachable:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.decode, name)
 
-    def expect(self, request_id: str, num_choices: int = 1) -> asyncio.Future[tuple[str, int]]:
-        self.decode.expect(request_id, num_choices)
-        answer: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
-        answer.set_result(("127.0.0.1", 1))
-        return answer
+    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
+        await self.decode.expect(request_id, num_choices)
+        return ("127.0.0.1", 1)
 
 
 class DiesOnPrefill:
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"a dead engine got {name}")
 
-    async def prefill(self, request: GenerateRequest, address: Awaitable[tuple[str, int]]) -> Any:
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
         raise EngineDied("prefill")
         yield  # an async generator, as an engine's prefill is
 
@@ -194,7 +191,7 @@ class ReportsWhenReleased:
         self.prefill_engine = prefill
         self.released = asyncio.Event()
 
-    async def prefill(self, request: GenerateRequest, address: Awaitable[tuple[str, int]]) -> Any:
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
         async for message in self.prefill_engine.prefill(request, address):
             if isinstance(message, PrefillResult):
                 await self.released.wait()
@@ -218,71 +215,6 @@ def test_the_first_token_goes_out_before_the_transfer_is_reported(pair):
 
     assert tokens_of(asyncio.run(scenario())) == offline()
     assert router.held == []
-    assert_idle_at_baseline(prefill, decode)
-
-
-async def prefill_unanswered(
-    prefill: EngineWorker, req: GenerateRequest
-) -> tuple[asyncio.Future[tuple[str, int]], Any, TokenEvent]:
-    """A prefill whose decode answer is still on its way (set it on the future), its run, and
-    the first token, which comes without it."""
-    answer: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
-    run = prefill.prefill(req, answer)
-    first = await anext(run)
-    assert isinstance(first, TokenEvent) and not answer.done()
-    return answer, run, first
-
-
-def test_the_prefill_computes_before_the_decode_engine_answers(pair):
-    """The decode engine's answer to `expect` travels while the prompt computes: the first
-    token comes out while the answer is still on its way, and the transfer goes once it is
-    in (oracle: offline, each token once)."""
-    prefill, decode = pair
-
-    async def scenario() -> tuple[list[TokenEvent], PrefillResult]:
-        req = request()
-        opened = decode.expect(req.request_id)
-        answer, run, first = await prefill_unanswered(prefill, req)
-        answer.set_result(await opened)
-        result = await anext(run)
-        following = [event async for event in decode.follow(req.request_id)]
-        return [first, *following], result
-
-    events, result = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert result.status == "handed_off"
-    assert tokens_of(events) == offline()
-    assert_idle_at_baseline(prefill, decode)
-
-
-def test_a_decode_engine_that_does_not_answer_fails_the_transfer_and_holds_nothing(pair):
-    prefill, decode = pair
-
-    async def scenario() -> PrefillResult:
-        answer, run, _ = await prefill_unanswered(prefill, request())
-        answer.set_exception(EngineDied("decode"))
-        result = await anext(run)
-        assert isinstance(result, PrefillResult)
-        return result
-
-    result = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert result.status == "transfer_failed"
-    assert "did not take the request" in result.detail and "decode" in result.detail
-    assert prefill.transfer_failures.get("no_destination") == 1
-    prefill.transfer_failures.clear()
-    assert_idle_at_baseline(prefill, decode)
-
-
-def test_a_prefill_closed_while_waiting_for_the_answer_holds_nothing(pair):
-    prefill, decode = pair
-
-    async def scenario() -> None:
-        _, run, _ = await prefill_unanswered(prefill, request())
-        await asyncio.sleep(0.1)  # the hand-off now waits for the answer
-        await run.aclose()
-        await asyncio.sleep(0.1)
-
-    asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert prefill._streams == {}
     assert_idle_at_baseline(prefill, decode)
 
 
@@ -335,7 +267,7 @@ class DiesAfterHandingOff:
     def __init__(self, prefill: EngineWorker, decode: EngineWorker) -> None:
         self.prefill_engine, self.decode = prefill, decode
 
-    async def prefill(self, request: GenerateRequest, address: Awaitable[tuple[str, int]]) -> Any:
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
         async for _ in self.prefill_engine.prefill(request, address):
             pass  # lost: the first token and the result
         stream = self.decode._streams[request.request_id]
@@ -411,7 +343,7 @@ class DiesAfterTheFirstToken:
     def __init__(self, prefill: EngineWorker) -> None:
         self.prefill_engine = prefill
 
-    async def prefill(self, request: GenerateRequest, address: Awaitable[tuple[str, int]]) -> Any:
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
         async with contextlib.aclosing(self.prefill_engine.prefill(request, address)) as run:
             yield await anext(run)
         raise EngineDied("prefill")
