@@ -17,8 +17,7 @@ receive (`expect`), streams it (`follow`), recovers it after a failed transfer (
 or runs a whole request itself (`generate`: conditional disaggregation); `colocated` runs
 everything. cluster/orchestrator.py puts these steps together for one request. `submit` and
 `attach` are `generate` and `follow` for a caller that takes the events itself (the engine
-actor's per-subscriber outbox, cluster/token_feed.py): a step's events reach it in one
-callback.
+actor's per-subscriber outbox, cluster/token_feed.py): a step's events reach it at once.
 """
 
 from __future__ import annotations
