@@ -88,8 +88,8 @@ class ServiceConfig(BaseModel):
     )
     transfer_host: str | None = Field(
         None,
-        description="the address decode engines' transfer endpoints bind and advertise; "
-        "default: each engine's own node address (Ray's node IP)",
+        description="the address engines' transfer endpoints (decode) and token feeds bind "
+        "and advertise; default: each engine's own node address (Ray's node IP)",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on shutdown, how long running requests may finish"

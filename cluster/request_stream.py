@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridserve.cluster.messages import PrefillResult, TokenEvent
 from hybridserve.workers import RequestOutput
@@ -61,3 +62,13 @@ def accept_all(items: list[tuple[RequestStream, TokenEvent]]) -> None:
     """On the loop: each event to its stream, in order."""
     for stream, event in items:
         stream.accept(event)
+
+
+def output_slice(
+    output: RequestOutput, start: int, end: int | None = None
+) -> tuple[list[int], list[list[Any]] | None]:
+    """Output tokens [start, end) and their logprobs in wire form (None when not asked for)."""
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = [lp.to_wire() for lp in output.logprobs[start:end]]
+    return list(output.token_ids[start:end]), logprobs

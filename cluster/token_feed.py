@@ -60,23 +60,46 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 # A batch with prompt logprobs of a long prompt is the largest frame: tens of MB at most.
 MAX_FRAME_BYTES = 256 << 20
+HELLO_MAX_BYTES = 1024  # what a connection may send before its ticket is checked
+MAX_UNGREETED = 64  # connections at once that have not shown a ticket yet
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say which ticket it holds is dropped
 CONNECT_TIMEOUT_S = 10.0
 TICKET_TTL_S = 60.0  # a ticket nobody came back with (its replica went away) is forgotten
+LIVENESS_TIMEOUT_S = 10.0  # asking an engine over Ray whether it lives, after its feed broke
+# A peer that vanishes without closing (its node went) is noticed within ~25 s.
+_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+
+
+class FeedLost(ConnectionError):
+    """The token feed from an engine broke while the engine itself still answers over Ray:
+    its requests on that feed end with this error (the engine aborts them), and the engine
+    keeps serving."""
 
 
 def frame(message: dict[str, Any]) -> bytes:
     payload = msgpack.packb(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(f"a token feed frame of {len(payload)} bytes (at most {MAX_FRAME_BYTES})")
     return _LENGTH.pack(len(payload)) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> Any:
     """The next frame's message; EOFError (asyncio.IncompleteReadError) when the peer closed,
-    ValueError for a frame over MAX_FRAME_BYTES or not msgpack."""
+    ValueError for a frame over `max_bytes` or not msgpack."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"a token feed frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    if length > max_bytes:
+        raise ValueError(f"a token feed frame of {length} bytes (at most {max_bytes})")
     return msgpack.unpackb(await reader.readexactly(length))
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Probe an idle connection, so that a peer whose node vanished is noticed in seconds
+    rather than after the system's default of hours."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in _KEEPALIVE.items():
+        if hasattr(socket, option):  # Linux names; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class TokenOutbox:
@@ -139,14 +162,17 @@ class FeedServer:
         self.outboxes: dict[str, TokenOutbox] = {}  # by subscriber, while connected
         self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (subscriber, issued at)
         self._server: asyncio.Server | None = None
+        self._starting = asyncio.Lock()  # replicas that subscribe at once start one listener
         self._writers: set[asyncio.StreamWriter] = set()
+        self._num_ungreeted = 0
 
     async def admit(self, subscriber: str) -> FeedTicket:
         """A one-time ticket for `subscriber`'s connection (asked for over Ray)."""
         if subscriber in self.outboxes:
             raise ValueError(f"{subscriber!r} is already subscribed to {self.worker.name}")
-        if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self.host, 0)
+        async with self._starting:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._serve, self.host, 0)
         now = time.monotonic()
         self._tickets = {t: v for t, v in self._tickets.items() if now - v[1] < TICKET_TTL_S}
         ticket = secrets.token_hex(16)
@@ -170,9 +196,21 @@ class FeedServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         try:
-            subscriber = await self._greeted(reader)
+            if self._num_ungreeted >= MAX_UNGREETED:
+                logger.warning(
+                    "engine %s: token feed connection refused: %d others wait to show a ticket",
+                    self.worker.name,
+                    self._num_ungreeted,
+                )
+                return
+            self._num_ungreeted += 1
+            try:
+                subscriber = await self._greeted(reader)
+            finally:
+                self._num_ungreeted -= 1
             if subscriber is None:
                 return
+            keep_alive(writer)
             outbox = self.outboxes[subscriber] = TokenOutbox(self.worker)
             sending = asyncio.ensure_future(self._send(outbox, writer))
             # The replica sends nothing after its hello: the read ends when it goes away.
@@ -184,6 +222,8 @@ class FeedServer:
                 gone.cancel()
                 del self.outboxes[subscriber]
                 outbox.close()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # a reset connection: the replica went, as with a close
             failure = sending.exception() if sending.done() and not sending.cancelled() else None
             if failure is not None and not isinstance(failure, OSError):
                 logger.error(
@@ -202,14 +242,15 @@ class FeedServer:
         """The subscriber whose ticket the connection's hello holds; None (logged) for a
         connection without a valid, unused ticket."""
         try:
-            hello = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
             entry = self._tickets.pop(FeedHello.from_dict(hello).ticket, None)
-        except (OSError, EOFError, ValueError) as exc:
+        except (OSError, EOFError, ValueError, TypeError) as exc:
             logger.warning("engine %s: token feed connection refused: %r", self.worker.name, exc)
             return None
-        if entry is None or entry[0] in self.outboxes:
+        expired = entry is not None and time.monotonic() - entry[1] >= TICKET_TTL_S
+        if entry is None or expired or entry[0] in self.outboxes:
             logger.warning(
-                "engine %s: token feed connection refused: unknown or used ticket",
+                "engine %s: token feed connection refused: unknown, expired or used ticket",
                 self.worker.name,
             )
             return None
@@ -236,10 +277,13 @@ class EngineFeed:
         # while it waits on the socket.
         self.reading: asyncio.Task[None] | None = None
         self.dead = False
+        # Set once the feed ended with the engine still answering over Ray (FeedLost).
+        self.lost: str | None = None
 
     async def open(self, request_id: str) -> asyncio.Queue[TokenEvent | None]:
         """A queue for `request_id`'s events, registered before the engine is asked to run
-        or stream the request, so none is missed. Raises EngineDied if the engine is gone."""
+        or stream the request, so none is missed. Raises EngineDied if the engine is gone,
+        FeedLost if only this feed broke."""
         if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
             # Outside the current request's Ray task: when a client goes away, Serve cancels
@@ -250,7 +294,7 @@ class EngineFeed:
             )
         await asyncio.shield(self._opened)
         if self.dead:
-            raise EngineDied(self.name)
+            raise self._ended()
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
@@ -262,7 +306,8 @@ class EngineFeed:
     async def events(
         self, request_id: str, queue: asyncio.Queue[TokenEvent | None]
     ) -> AsyncIterator[TokenEvent]:
-        """The request's events up to its final one; EngineDied if the engine goes first.
+        """The request's events up to its final one; EngineDied if the engine goes first
+        (FeedLost if only the feed broke).
         Events that wait in the queue together come out joined into one (`TokenEvent.joined`):
         a caller that falls behind the engine (many streams on few cores) then handles, and
         sends on, fewer and larger pieces instead of falling further behind."""
@@ -278,12 +323,20 @@ class EngineFeed:
                         break
                     event = joined
                 if event is None:
-                    raise EngineDied(self.name)
+                    raise self._ended()
                 yield event
                 if event.finished:
                     return
         finally:
             self.close(request_id)
+
+    def _ended(self) -> Exception:
+        """What ends the requests on this feed: EngineDied if the engine is gone (the
+        orchestrator reports it and the engine is restarted), else FeedLost (only these
+        requests fail; the engine keeps serving)."""
+        if self.lost is None:
+            return EngineDied(self.name)
+        return FeedLost(f"the token feed from engine {self.name} was lost: {self.lost}")
 
     async def _read(self) -> None:
         assert self._opened is not None
@@ -293,8 +346,7 @@ class EngineFeed:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(ticket.host, ticket.port), CONNECT_TIMEOUT_S
             )
-            # A node that vanishes without closing the connection is noticed too.
-            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            keep_alive(writer)
             writer.write(frame(FeedHello(ticket.ticket).to_dict()))
             while True:
                 batch = TokenBatch.from_dict(await read_frame(reader))
@@ -304,10 +356,12 @@ class EngineFeed:
                     queue = self._queues.get(event.request_id)
                     if queue is not None:
                         queue.put_nowait(event)
-        except (RayActorError, OSError, EOFError):
-            pass  # reported below, as EngineDied to every open request
-        except Exception:
-            logger.exception("engine %s: its token feed failed", self.name)
+        except RayActorError:
+            pass  # the engine is gone: EngineDied to every open request
+        except Exception as exc:  # the connection, not necessarily the engine
+            if await self._engine_alive():
+                self.lost = repr(exc)
+            logger.warning("engine %s: token feed to this replica failed: %r", self.name, exc)
         finally:
             if writer is not None:
                 writer.close()
@@ -317,3 +371,14 @@ class EngineFeed:
                 self._opened.set_result(None)
             for queue in self._queues.values():
                 queue.put_nowait(None)
+
+    async def _engine_alive(self) -> bool:
+        """Whether the engine actor still answers over Ray. One that is alive but does not
+        answer in time counts as alive: the Coordinator's health checks judge wedged ones."""
+        try:
+            await asyncio.wait_for(self.handle.describe.remote(), LIVENESS_TIMEOUT_S)
+        except RayActorError:
+            return False
+        except Exception:
+            return True
+        return True

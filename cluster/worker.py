@@ -31,7 +31,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
-from hybridserve.cluster.request_stream import RequestStream, TokenSink, accept_all
+from hybridserve.cluster.request_stream import RequestStream, TokenSink, accept_all, output_slice
 from hybridserve.cluster.transfer_links import TransferLinks
 from hybridserve.kernels import c_library
 from hybridserve.transceiver.endpoint import SendOutcome
@@ -256,7 +256,7 @@ class EngineWorker:
 
         If the engine has no output yet (its receive is still pending), the stream simply
         starts at `delivered`."""
-        missed, logprobs = _output_slice(held, delivered, PREFILL_TOKENS)
+        missed, logprobs = output_slice(held, delivered, PREFILL_TOKENS)
         if not missed:
             stream.num_sent[0] = min(stream.num_sent.get(0, 0), delivered)
             return
@@ -439,12 +439,15 @@ class EngineWorker:
                 self._event_sink(self.name, [event_to_dict(e) for e in events])
 
     def _run(self, engine_config: EngineConfig, built: concurrent.futures.Future[Engine]) -> None:
-        self.cpu_threads = c_library.follow_torch_threads()
         try:
-            built.set_result(Engine(engine_config))
+            c_library.follow_torch_threads()
+            engine = Engine(engine_config)
+            # A tensor-parallel engine on the CPU has set torch's count for its ranks.
+            self.cpu_threads = c_library.follow_torch_threads()
         except BaseException as exc:  # the constructor re-raises it
             built.set_exception(exc)
             return
+        built.set_result(engine)
         self._started.wait()
         while not self._stop.is_set():
             self.last_beat = time.monotonic()
@@ -521,7 +524,7 @@ class EngineWorker:
             and len(output.token_ids) - sent < self.stream_interval
         ):
             return None
-        new, logprobs = _output_slice(output, sent)
+        new, logprobs = output_slice(output, sent)
         if output.finish_reason is not None:
             stream.finished.add(index)
         prompt_logprobs = None
@@ -588,13 +591,3 @@ class EngineWorker:
                 self.engine.abort(request_id)
             stream.end(request_id, "error", reason)
         return len(streams)
-
-
-def _output_slice(
-    output: RequestOutput, start: int, end: int | None = None
-) -> tuple[list[int], list[list[Any]] | None]:
-    """Output tokens [start, end) and their logprobs in wire form (None when not asked for)."""
-    logprobs = None
-    if output.logprobs is not None:
-        logprobs = [lp.to_wire() for lp in output.logprobs[start:end]]
-    return list(output.token_ids[start:end]), logprobs

@@ -11,11 +11,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from ray.exceptions import RayActorError
 
 from hybridserve.cluster.messages import FeedHello, FeedTicket, TokenBatch, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied
 from hybridserve.cluster.token_feed import (
+    HELLO_MAX_BYTES,
+    TICKET_TTL_S,
     EngineFeed,
+    FeedLost,
     FeedServer,
     TokenOutbox,
     frame,
@@ -139,9 +143,10 @@ class ScriptedEngine:
     of its own, which checks the hello and writes the batches put on `script` as frames
     (an exception closes the connection: the engine died)."""
 
-    def __init__(self) -> None:
+    def __init__(self, alive: bool = False) -> None:
         self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
         self.subscribe = self
+        self.describe = Describe(alive)
         self.subscribers: list[str] = []
         self.hellos: list[FeedHello] = []
 
@@ -156,6 +161,19 @@ class ScriptedEngine:
             writer.write(frame(item.to_dict()))
             await writer.drain()
         writer.close()
+
+
+class Describe:
+    """`describe`, as the feed asks it after its connection broke: the engine answers (it
+    lives), or the call fails as Ray's does for a dead actor."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    async def remote(self) -> dict[str, Any]:
+        if not self.alive:
+            raise RayActorError()
+        return {}
 
 
 class FeedServerHandle:
@@ -202,7 +220,12 @@ def test_a_connection_without_a_valid_ticket_gets_nothing(colocated):
         server = FeedServer(colocated, "127.0.0.1")
         ticket = await server.admit("replica-1")
         received = []
-        for hello in (FeedHello("forged"), FeedHello(ticket.ticket), FeedHello(ticket.ticket)):
+        expired = await server.admit("replica-2")
+        subscriber, issued = server._tickets[expired.ticket]
+        server._tickets[expired.ticket] = (subscriber, issued - TICKET_TTL_S)
+        oversize = FeedHello("x" * HELLO_MAX_BYTES)  # refused before it is read
+        hellos = [FeedHello("forged"), oversize, FeedHello(expired.ticket)]
+        for hello in (*hellos, FeedHello(ticket.ticket), FeedHello(ticket.ticket)):
             reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
             writer.write(frame(hello.to_dict()))
             received.append(await reader.read(1))  # b"": closed without a frame
@@ -212,9 +235,10 @@ def test_a_connection_without_a_valid_ticket_gets_nothing(colocated):
         server.close()
         return received
 
-    # The forged ticket and the reused one are refused; the real one gets the first batch.
-    forged, real, reused = asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert (forged, len(real), reused) == (b"", 1, b"")
+    # Forged, oversize, expired and reused tickets are refused; the real one gets the first
+    # batch.
+    forged, oversize, expired, real, reused = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (forged, oversize, expired, len(real), reused) == (b"", b"", b"", 1, b"")
     assert_idle_at_baseline(colocated)
 
 
@@ -245,6 +269,25 @@ def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death
         assert feed.dead
         with pytest.raises(EngineDied, match="decode-0"):
             await feed.open("c")
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_broken_feed_from_a_live_engine_fails_its_requests_not_the_engine():
+    """The connection breaks but the engine answers over Ray: its requests end with FeedLost
+    (not EngineDied, which would have the engine restarted), and the feed is not reused."""
+
+    async def scenario() -> None:
+        engine = ScriptedEngine(alive=True)
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        queue = await feed.open("a")
+        engine.script.put_nowait(ConnectionResetError())
+        with pytest.raises(FeedLost, match="decode-0"):
+            await anext(feed.events("a", queue))
+        assert feed.dead and feed.lost is not None
+        with pytest.raises(FeedLost):
+            await feed.open("b")
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
