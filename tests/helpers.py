@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 from typing import Any
@@ -306,3 +308,16 @@ def assert_cache_at_baseline(cache: CacheCoordinator) -> None:
     for host in (cache.attention.host, cache.mamba.host):
         if host is not None:
             assert host.ids.num_free == host.ids.size
+
+
+def on_new_thread_with_torch_threads(body: Callable[[], None], num_threads: int = 2) -> None:
+    """Run `body` on a thread of its own (a new thread starts with OpenMP's default count)
+    while torch runs on `num_threads` threads; torch's count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import pytest
-import torch
 
 from hybridserve.kernels import c_library
+from tests.helpers import on_new_thread_with_torch_threads
 
 TEAM_SOURCE = """
 #include <omp.h>
@@ -29,8 +28,6 @@ def test_a_thread_s_kernels_follow_torch_s_thread_count():
     runtime = c_library._openmp()
     if team_size is None or runtime is None:
         pytest.skip("no C compiler or no OpenMP runtime")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
     sizes: list[int | None] = []
 
     def stepping_thread() -> None:
@@ -42,10 +39,5 @@ def test_a_thread_s_kernels_follow_torch_s_thread_count():
         team_size(ctypes.byref(size))
         sizes.append(size.value)
 
-    try:
-        thread = threading.Thread(target=stepping_thread)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(before)
+    on_new_thread_with_torch_threads(stepping_thread)
     assert sizes == [1, 2, 2]

@@ -4,7 +4,6 @@ torch indexing on copies of the pools."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from hybridserve.workers.cache.ops import CopyBlock, CopySlot, LoadSlot, OffloadBlock
 from hybridserve.workers.cache_memory import CacheMemory
 from hybridserve.workers.forward_batch import StateCaches
+from tests.helpers import on_new_thread_with_torch_threads
 
 
 def pools(dtype: torch.dtype, head_dim: int = 8) -> StateCaches:
@@ -59,8 +59,6 @@ def test_ops_applied_off_the_stepping_thread_start_no_openmp_team():
     of this size would start an OpenMP team on that thread (a new OS thread that stays);
     with more OpenMP threads than CPUs, every team's waits then sleep."""
     memory = CacheMemory(pools(torch.float32, head_dim=512), host_bytes=0)
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     counts: list[int] = []
 
     def receiving_thread() -> None:
@@ -68,12 +66,7 @@ def test_ops_applied_off_the_stepping_thread_start_no_openmp_team():
         memory.apply([CopyBlock(src=0, dst=1, num_tokens=16), CopySlot(src=0, dst=1)])
         counts.append(len(os.listdir("/proc/self/task")) - before)
 
-    try:
-        thread = threading.Thread(target=receiving_thread)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(before_threads)
+    on_new_thread_with_torch_threads(receiving_thread)
     assert counts == [0]
     assert torch.equal(memory.device.kv[1], memory.device.kv[0])
     assert torch.equal(memory.device.ssm[1], memory.device.ssm[0])
