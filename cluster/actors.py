@@ -4,10 +4,8 @@ PrefixIndex). Only dicts of plain data cross these calls (`cluster/messages.py`)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -238,15 +236,14 @@ class EngineActor:
         return list(await self.worker.expect(request_id, num_choices))
 
     async def prefill(
-        self, request: dict[str, Any], decode_address: list[Any]
-    ) -> AsyncIterator[dict[str, Any]]:
-        """A streaming call: the first token's event as soon as it exists, then the
-        PrefillResult (cluster/worker.py)."""
+        self, request: dict[str, Any], decode_address: list[Any], subscriber: str
+    ) -> dict[str, Any]:
+        """Prefill a request and ship it to `decode_address`: its first token goes to
+        `subscriber`'s stream as soon as it exists, and the reply is the PrefillResult (how
+        the transfer went). A cancelled call drops the request here."""
         address = (str(decode_address[0]), int(decode_address[1]))
-        messages = self.worker.prefill(GenerateRequest.from_dict(request), address)
-        async with contextlib.aclosing(messages):  # a cancelled call drops the request now
-            async for message in messages:
-                yield message.to_dict()
+        outbox = self.feeds.outbox(subscriber)
+        return (await outbox.prefill(GenerateRequest.from_dict(request), address)).to_dict()
 
     async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
         await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)

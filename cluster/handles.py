@@ -26,7 +26,6 @@ from hybridserve.cluster.messages import (
     GenerateRequest,
     PrefillResult,
     TokenEvent,
-    prefill_message,
 )
 from hybridserve.cluster.orchestrator import EngineDied
 from hybridserve.cluster.token_feed import EngineFeed
@@ -78,23 +77,36 @@ class RayEngine:
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
-        """One streaming call for the request: the first token's event (unless the request
-        was refused), then the PrefillResult. Not shielded: closing it early cancels the
-        call, and the engine then drops the request."""
-        stream = self.handle.prefill.options(num_returns="streaming").remote(
-            request.to_dict(), list(address)
-        )
-        complete = False
+        """One call for the request: the first token's event comes on this replica's feed as
+        soon as the engine has it (none if the engine refused the request), then the call's
+        reply, the PrefillResult. Not shielded: closing it early cancels the call, and the
+        engine then drops the request."""
+        request_id = request.request_id
+        queue = await self.feed.open(request_id)
+        call = self.handle.prefill.remote(request.to_dict(), list(address), self.feed.subscriber)
+        reply = asyncio.ensure_future(call)
+        first = asyncio.ensure_future(queue.get())
         try:
-            async for ref in stream:
-                yield prefill_message(await ref)
-            complete = True
-        except RayActorError as exc:
-            complete = True  # nothing left to cancel
-            raise EngineDied(self.name) from exc
+            # The reply can come first: the transfer may beat the feed, and a refused request
+            # has no first token.
+            await asyncio.wait({first, reply}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done() or (await self._result(reply)).status != "error":
+                event = await first
+                if event is None:
+                    raise self.feed.failure()
+                yield event
+            yield await self._result(reply)
         finally:
-            if not complete:
-                ray.cancel(stream)
+            first.cancel()
+            self.feed.close(request_id)
+            if not reply.done():
+                ray.cancel(call)
+
+    async def _result(self, reply: asyncio.Future[dict[str, Any]]) -> PrefillResult:
+        try:
+            return PrefillResult.from_dict(await reply)
+        except RayActorError as exc:
+            raise EngineDied(self.name) from exc
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         await self._call("recover", request.to_dict(), delivered, reason)

@@ -17,7 +17,9 @@ from hybridserve.workers.sampling_params import SamplingParams
 #    carries it).
 # 5: an ingress replica reads an engine's TokenBatches from a TCP connection of their own,
 #    opened with a FeedTicket from the engine actor and a FeedHello.
-MESSAGES_VERSION = 5
+# 6: a prefill's first token travels on that connection too; its PrefillResult is the reply
+#    of a plain call.
+MESSAGES_VERSION = 6
 
 M = TypeVar("M", bound="_Message")
 
@@ -136,13 +138,6 @@ class PrefillResult(_Message):
     blocks_held: int = 0
     bytes_sent: int = 0
     kind: ClassVar[str] = "prefill_result"
-
-
-def prefill_message(data: Any) -> TokenEvent | PrefillResult:
-    """One message of a prefill stream (the first token's event, or the result), by kind."""
-    if isinstance(data, dict) and data.get("kind") == PrefillResult.kind:
-        return PrefillResult.from_dict(data)
-    return TokenEvent.from_dict(data)
 
 
 @dataclass(frozen=True)

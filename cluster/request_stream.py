@@ -44,6 +44,13 @@ class RequestStream:
             self.sink(event)
         else:
             self.queue.put_nowait(event)
+        if event.finished:  # ended by its first token, refused or failed: nothing to ship
+            self.settle(PrefillResult(event.request_id, "finished"))
+
+    def settle(self, result: PrefillResult) -> None:
+        """On the loop: a prefill's outcome, unless it has one already."""
+        if self.prefill_done is not None and not self.prefill_done.done():
+            self.prefill_done.set_result(result)
 
     def put_first(self, event: TokenEvent) -> None:
         """On the loop: `event` ahead of every event still queued."""

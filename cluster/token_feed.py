@@ -16,6 +16,8 @@ writes, per step, one `TokenBatch` frame with the events of every request of tha
        ◀─────────── TokenBatch frame per step ──────────
     RayEngine.generate ── generate(request, subscriber) ▶ worker.submit(request, outbox.push)
     RayEngine.follow   ── follow(request_id, subscriber) ▶ worker.attach(request_id, outbox.push)
+    RayEngine.prefill  ── prefill(request, address, subscriber) ▶ worker.submit_prefill(...):
+                          the first token on the feed, the PrefillResult as the call's reply
 
     frame := 4-byte big-endian length | msgpack of the message's dict (cluster/messages.py)
 
@@ -47,6 +49,7 @@ from hybridserve.cluster.messages import (
     FeedHello,
     FeedTicket,
     GenerateRequest,
+    PrefillResult,
     TokenBatch,
     TokenEvent,
 )
@@ -127,6 +130,24 @@ class TokenOutbox:
         except BaseException:
             self.request_ids.discard(request_id)
             raise
+
+    async def prefill(
+        self, request: GenerateRequest, decode_address: tuple[str, int]
+    ) -> PrefillResult:
+        """Prefill `request` here, its first token's event to this subscriber, and ship it
+        to `decode_address`: how the transfer went (or why the request was refused). A
+        cancelled call drops the request here."""
+        request_id = request.request_id
+        try:
+            done = self.worker.submit_prefill(request, decode_address, self._push)
+        except ValueError as exc:
+            return PrefillResult(request_id, "error", detail=str(exc))
+        self.request_ids.add(request_id)
+        try:
+            return await done
+        finally:
+            self.request_ids.discard(request_id)
+            self.worker.close_stream(request_id)
 
     def _push(self, event: TokenEvent) -> None:
         self._events.append(event)
@@ -294,7 +315,7 @@ class EngineFeed:
             )
         await asyncio.shield(self._opened)
         if self.dead:
-            raise self._ended()
+            raise self.failure()
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
@@ -323,14 +344,14 @@ class EngineFeed:
                         break
                     event = joined
                 if event is None:
-                    raise self._ended()
+                    raise self.failure()
                 yield event
                 if event.finished:
                     return
         finally:
             self.close(request_id)
 
-    def _ended(self) -> Exception:
+    def failure(self) -> Exception:
         """What ends the requests on this feed: EngineDied if the engine is gone (the
         orchestrator reports it and the engine is restarted), else FeedLost (only these
         requests fail; the engine keeps serving)."""

@@ -321,22 +321,39 @@ class EngineWorker:
         `decode_address`. Yields the first token's event as soon as it exists (the transfer
         is under way then), and last the PrefillResult: how the transfer went."""
         stream = self._open(request.request_id)
-        stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
-        stream.prefill_done = stream.loop.create_future()
         try:
             try:
-                self._add(request)
+                done = self._start_prefill(stream, request, decode_address)
             except ValueError as exc:
                 yield PrefillResult(request.request_id, "error", detail=str(exc))
                 return
-            first = await stream.queue.get()
-            yield first
-            if first.finished:  # ended by its first token, or refused
-                yield PrefillResult(request.request_id, "finished")
-                return
-            yield await stream.prefill_done
+            yield await stream.queue.get()
+            yield await done
         finally:
             self._close(request.request_id)  # also when closed early: aborts it here
+
+    def submit_prefill(
+        self, request: GenerateRequest, decode_address: tuple[str, int], sink: TokenSink
+    ) -> asyncio.Future[PrefillResult]:
+        """`prefill` for a caller that takes the first token's event itself (`sink`, on this
+        loop): returns the PrefillResult's future. The caller closes the stream once it has
+        the result (`close_stream`), which aborts the request if it is still running here.
+        Raises ValueError for a request the engine refuses (nothing stays open)."""
+        stream = self._open(request.request_id)
+        stream.sink = sink
+        try:
+            return self._start_prefill(stream, request, decode_address)
+        except BaseException:
+            self._close(request.request_id)
+            raise
+
+    def _start_prefill(
+        self, stream: RequestStream, request: GenerateRequest, decode_address: tuple[str, int]
+    ) -> asyncio.Future[PrefillResult]:
+        stream.decode_address = (str(decode_address[0]), int(decode_address[1]))
+        stream.prefill_done = stream.loop.create_future()
+        self._add(request)
+        return stream.prefill_done
 
     def clear_cache(self) -> None:
         """Drop every cached block and snapshot and send the removal events now."""
@@ -398,8 +415,11 @@ class EngineWorker:
     def _close(self, request_id: str) -> None:
         """The caller is done (finished, cancelled or failed): nothing may stay behind."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None and not stream.ended:
+        if stream is None:
+            return
+        if not stream.ended:
             self._abort(request_id)
+        stream.settle(PrefillResult(request_id, "error", detail="the request was closed"))
 
     def _busy(self) -> bool:
         """Requests or transfers in flight (call under the lock)."""
@@ -575,10 +595,9 @@ class EngineWorker:
             blocks_held=outcome.blocks_held,
             bytes_sent=outcome.bytes_sent,
         )
-        done = stream.prefill_done
         # The caller's loop may be gone (its prefill was closed and it shut down).
-        if done is not None and not stream.loop.is_closed():
-            stream.loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+        if stream.prefill_done is not None and not stream.loop.is_closed():
+            stream.loop.call_soon_threadsafe(stream.settle, result)
 
     def _count_failure(self, reason: str) -> None:
         self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1

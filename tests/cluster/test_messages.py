@@ -15,7 +15,6 @@ from hybridserve.cluster.messages import (
     PrefillResult,
     TokenBatch,
     TokenEvent,
-    prefill_message,
 )
 
 EVENT = TokenEvent(
@@ -38,14 +37,6 @@ MESSAGES = [
 def test_round_trip_through_msgpack(message):
     wire = msgpack.packb(message.to_dict())
     assert type(message).from_dict(msgpack.unpackb(wire)) == message
-
-
-def test_a_prefill_stream_s_messages_are_told_apart_by_kind():
-    result = PrefillResult("r1", "transfer_failed", detail="peer gone")
-    assert prefill_message(msgpack.unpackb(msgpack.packb(EVENT.to_dict()))) == EVENT
-    assert prefill_message(msgpack.unpackb(msgpack.packb(result.to_dict()))) == result
-    with pytest.raises(MessageError, match="expected a tokens message"):
-        prefill_message(GenerateRequest("r1", [1], {}).to_dict())
 
 
 def test_a_batch_carries_each_event_versioned():

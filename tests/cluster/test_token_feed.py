@@ -7,6 +7,7 @@ the demultiplexing and the engine's death)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -111,31 +112,101 @@ def test_a_refused_request_raises_and_leaves_nothing_open(colocated):
     assert_idle_at_baseline(colocated)
 
 
-def test_attach_streams_an_expected_request_including_what_arrived_before():
+@pytest.fixture(scope="module")
+def pair():
+    prefill, decode = worker("prefill", name="feed-prefill"), worker("decode", name="feed-decode")
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_attach_streams_an_expected_request_including_what_arrived_before(pair):
     """Prefill -> decode, the decode side attached only after the hand-over: the tokens it
     produced meanwhile come first, each exactly once (tokens_of checks the offsets)."""
-    prefill, decode = worker("prefill", name="feed-prefill"), worker("decode", name="feed-decode")
-    try:
+    prefill, decode = pair
 
-        async def scenario() -> list[TokenEvent]:
-            outbox = TokenOutbox(decode)
-            batches = outbox.batches()
-            await anext(batches)
-            req = request()
-            address = await decode.expect(req.request_id)
-            first, result = [m async for m in prefill.prefill(req, address)]
-            assert isinstance(first, TokenEvent) and result.status == "handed_off"
-            await asyncio.sleep(0.2)  # let decode run ahead of the attach
-            outbox.attach(req.request_id)
-            events, _ = await until_finished(batches, {req.request_id})
-            return [first, *events[req.request_id]]
+    async def scenario() -> list[TokenEvent]:
+        outbox = TokenOutbox(decode)
+        batches = outbox.batches()
+        await anext(batches)
+        req = request()
+        address = await decode.expect(req.request_id)
+        first, result = [m async for m in prefill.prefill(req, address)]
+        assert isinstance(first, TokenEvent) and result.status == "handed_off"
+        await asyncio.sleep(0.2)  # let decode run ahead of the attach
+        outbox.attach(req.request_id)
+        events, _ = await until_finished(batches, {req.request_id})
+        return [first, *events[req.request_id]]
 
-        assert tokens_of(asyncio.run(scenario())) == offline()
-        assert decode._streams == {} and prefill._streams == {}
-        assert_idle_at_baseline(prefill, decode)
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_prefill_s_first_token_goes_to_its_subscriber_and_its_result_is_returned(pair):
+    """The prefill engine's outbox carries the first token; the decode engine continues from
+    the transferred state (oracle: offline)."""
+    prefill, decode = pair
+
+    async def scenario() -> list[TokenEvent]:
+        outbox = TokenOutbox(prefill)
+        batches = outbox.batches()
+        await anext(batches)
+        req = request()
+        address = await decode.expect(req.request_id)
+        result = await outbox.prefill(req, address)
+        assert result.status == "handed_off" and result.blocks_sent > 0
+        (first,) = (await asyncio.wait_for(anext(batches), 30)).events
+        assert outbox.request_ids == set()
+        return [first, *[e async for e in decode.follow(req.request_id)]]
+
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_prefill_the_engine_refuses_returns_the_error_and_leaves_nothing_open(pair):
+    prefill, decode = pair
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(prefill)
+        req = request(prompt=[*PROMPT, 10_000])
+        address = await decode.expect(req.request_id)
+        result = await outbox.prefill(req, address)
+        assert result.status == "error" and "outside the vocabulary" in result.detail
+        assert outbox.request_ids == set()
+        await decode.release(req.request_id)
+
+    asyncio.run(scenario())
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_cancelled_prefill_drops_the_request_on_the_engine(pair):
+    """The ingress cancels the call (its client went away) while the prompt is computed:
+    nothing stays on the prefill engine, and what reached the decode engine goes with the
+    release."""
+    prefill, decode = pair
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(prefill)
+        req = request(max_tokens=400)
+        address = await decode.expect(req.request_id)
+        call = asyncio.ensure_future(outbox.prefill(req, address))
+        await asyncio.sleep(0)  # submitted: the prompt is being computed
+        assert outbox.request_ids == {req.request_id}
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert outbox.request_ids == set() and prefill._streams == {}
+        await decode.release(req.request_id)
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 30  # a transfer cut off mid-way settles on its own
+    while any(w.check_integrity()["busy"] for w in pair) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
 
 
 class ScriptedEngine:
