@@ -11,10 +11,9 @@ from typing import Any
 
 import ray
 
-from hybridserve.cluster.messages import GenerateRequest
+from hybridserve.cluster.feed_server import FeedServer
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
-from hybridserve.cluster.token_feed import FeedServer
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -222,40 +221,14 @@ class EngineActor:
             await asyncio.sleep(0.01)
 
     async def subscribe(self, subscriber: str) -> dict[str, Any]:
-        """A FeedTicket: where `subscriber` (an ingress replica) reads the token events of
-        every request it runs or follows here, one TokenBatch per step
-        (cluster/token_feed.py); when its connection closes, whatever it left running here
-        is aborted."""
+        """A FeedTicket: where `subscriber` (an ingress replica) connects to make its calls
+        here (generate, prefill, expect, follow, ...) and to read the token events of its
+        requests, one TokenBatch per step (cluster/token_feed.py); when its connection
+        closes, whatever it left running here is aborted."""
         return (await self.feeds.admit(subscriber)).to_dict()
 
-    async def generate(self, request: dict[str, Any], subscriber: str) -> None:
-        """Run a whole request here; its events go to `subscriber`'s stream."""
-        self.feeds.outbox(subscriber).submit(GenerateRequest.from_dict(request))
-
-    async def expect(self, request_id: str, num_choices: int = 1) -> list[Any]:
-        return list(await self.worker.expect(request_id, num_choices))
-
-    async def prefill(
-        self, request: dict[str, Any], decode_address: list[Any], subscriber: str
-    ) -> dict[str, Any]:
-        """Prefill a request and ship it to `decode_address`: its first token goes to
-        `subscriber`'s stream as soon as it exists, and the reply is the PrefillResult (how
-        the transfer went). A cancelled call drops the request here."""
-        address = (str(decode_address[0]), int(decode_address[1]))
-        outbox = self.feeds.outbox(subscriber)
-        return (await outbox.prefill(GenerateRequest.from_dict(request), address)).to_dict()
-
-    async def recover(self, request: dict[str, Any], delivered: int, reason: str) -> None:
-        await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)
-
-    async def follow(self, request_id: str, subscriber: str) -> None:
-        """Stream an expected request's events to `subscriber`."""
-        self.feeds.outbox(subscriber).attach(request_id)
-
-    async def release(self, request_id: str) -> None:
-        await self.worker.release(request_id)
-
     async def abort(self, request_id: str) -> bool:
+        """Stop a request by id (an operator's call; the ingress aborts on its feed)."""
         return await self.worker.abort(request_id)
 
     async def drain(self, timeout: float) -> int:

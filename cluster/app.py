@@ -253,7 +253,7 @@ class OpenAIIngress:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
         incarnations = topology["incarnations"]
         engines = {
-            name: RayEngine(name, handle, self._feed(name, incarnations[name], handle))
+            name: RayEngine(name, self._feed(name, incarnations[name], handle))
             for name, handle in topology["engines"].items()
         }
 

@@ -1,15 +1,14 @@
-"""The orchestrator's clients over Ray actor handles: `RayEngine` (an EngineActor) and
-`RayRouter` (the RouterActor). Only plain dicts cross the actor calls (cluster/messages.py).
-A call or stream that fails because the actor is gone raises EngineDied with its name. A
-request's tokens arrive on the replica's one stream from that engine (cluster/token_feed.py).
+"""The orchestrator's clients: `RayEngine` (an EngineActor, through this replica's token
+feed from it) and `RayRouter` (the RouterActor, over Ray). Only plain dicts cross
+(cluster/messages.py). A call or stream that fails because the engine is gone raises
+EngineDied with its name.
 
-Every awaited call is shielded (a prefill's stream excepted: `RayEngine.prefill`): when a
-request's coroutine is cancelled (its client went away), the actor call it awaited is not
-cancelled half-way by asyncio, so its effect is known (a route that lands after its caller
-left gives its load back) and the request is aborted explicitly (`Orchestrator`). Serve
-also cancels the request's Ray task then, and Ray cancels every actor call that task
-submitted and that has not run yet: the calls made on the way out (releases, aborts) are
-therefore submitted outside it (`_call_detached`)."""
+An engine's calls travel on the replica's feed connection (cluster/token_feed.py), not as Ray
+tasks: when a request's coroutine is cancelled (its client went away), a call it already sent
+still runs on the engine, so its effect is known, and the request is aborted explicitly
+(`Orchestrator`). The router's calls are Ray tasks: its awaited ones are shielded, and the
+ones made on the way out are submitted outside the request's Ray task (`_call_detached`),
+which Serve cancels then, with every actor call it submitted that has not run yet."""
 
 from __future__ import annotations
 
@@ -19,48 +18,33 @@ import functools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import ray
-from ray.exceptions import RayActorError
-
-from hybridserve.cluster.messages import (
-    GenerateRequest,
-    PrefillResult,
-    TokenEvent,
-)
-from hybridserve.cluster.orchestrator import EngineDied
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.token_feed import EngineFeed
 
 
 def _call_detached(method: Any, *args: Any) -> None:
     """`method.remote(*args)`, fire and forget, submitted outside the current request's Ray
     task: a client that goes away makes Serve cancel that task, and Ray then cancels every
-    actor call the task submitted that has not run yet, which dropped releases and aborts
-    made on the way out (router load never given back, requests left running)."""
+    actor call the task submitted that has not run yet, which dropped releases made on the
+    way out (router load never given back)."""
     call = functools.partial(method.remote, *args)
     asyncio.get_running_loop().call_soon(call, context=contextvars.Context())
 
 
 class RayEngine:
-    """`feed`: this replica's token stream from the engine (one per engine, shared by every
-    request that runs there)."""
+    """An engine through `feed`, this replica's connection to it (one per engine, shared by
+    every request that runs there)."""
 
-    def __init__(self, name: str, handle: Any, feed: EngineFeed) -> None:
+    def __init__(self, name: str, feed: EngineFeed) -> None:
         self.name = name
-        self.handle = handle
         self.feed = feed
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return await asyncio.shield(getattr(self.handle, method).remote(*args))
-        except RayActorError as exc:
-            raise EngineDied(self.name) from exc
 
     async def _stream(self, request_id: str, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
         """Ask the engine to send `request_id`'s events to this replica's feed, then yield
         them."""
         queue = await self.feed.open(request_id)
         try:
-            await self._call(method, *args, self.feed.subscriber)
+            await self.feed.call(method, *args)
         except BaseException:
             self.feed.close(request_id)
             raise
@@ -71,55 +55,48 @@ class RayEngine:
         return self._stream(request.request_id, "generate", request.to_dict())
 
     async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
-        host, port = await self._call("expect", request_id, num_choices)
+        host, port = await self.feed.call("expect", request_id, num_choices)
         return str(host), int(port)
 
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
     ) -> AsyncGenerator[TokenEvent | PrefillResult, None]:
-        """One call for the request: the first token's event comes on this replica's feed as
-        soon as the engine has it (none if the engine refused the request), then the call's
-        reply, the PrefillResult. Not shielded: closing it early cancels the call, and the
-        engine then drops the request."""
+        """One call for the request: the first token's event comes on the feed as soon as
+        the engine has it (none if the engine refused the request), then the call's reply,
+        the PrefillResult. Closing it early aborts the request on the engine."""
         request_id = request.request_id
         queue = await self.feed.open(request_id)
-        call = self.handle.prefill.remote(request.to_dict(), list(address), self.feed.subscriber)
-        reply = asyncio.ensure_future(call)
+        reply = asyncio.ensure_future(self.feed.call("prefill", request.to_dict(), list(address)))
         first = asyncio.ensure_future(queue.get())
         try:
-            # The reply can come first: the transfer may beat the feed, and a refused request
-            # has no first token.
+            # Either can come first: a short transfer can beat the token's batch, and a
+            # refused request has no first token.
             await asyncio.wait({first, reply}, return_when=asyncio.FIRST_COMPLETED)
-            if first.done() or (await self._result(reply)).status != "error":
+            if first.done() or PrefillResult.from_dict(await reply).status != "error":
                 event = await first
                 if event is None:
                     raise self.feed.failure()
                 yield event
-            yield await self._result(reply)
+            yield PrefillResult.from_dict(await reply)
         finally:
             first.cancel()
             self.feed.close(request_id)
             if not reply.done():
-                ray.cancel(call)
-
-    async def _result(self, reply: asyncio.Future[dict[str, Any]]) -> PrefillResult:
-        try:
-            return PrefillResult.from_dict(await reply)
-        except RayActorError as exc:
-            raise EngineDied(self.name) from exc
+                reply.cancel()
+                self.feed.send("abort", request_id)
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
-        await self._call("recover", request.to_dict(), delivered, reason)
+        await self.feed.call("recover", request.to_dict(), delivered, reason)
 
     def follow(self, request_id: str) -> AsyncIterator[TokenEvent]:
         return self._stream(request_id, "follow", request_id)
 
     async def release(self, request_id: str) -> None:
-        await self._call("release", request_id)
+        await self.feed.call("release", request_id)
 
     async def abort(self, request_id: str) -> None:
-        # NOTE: not awaited: it runs while the request's caller is being torn down.
-        _call_detached(self.handle.abort, request_id)
+        # Not awaited: it runs while the request's caller is being torn down.
+        self.feed.send("abort", request_id)
 
 
 class RayRouter:

@@ -17,8 +17,8 @@ from hybridserve.workers.sampling_params import SamplingParams
 #    carries it).
 # 5: an ingress replica reads an engine's TokenBatches from a TCP connection of their own,
 #    opened with a FeedTicket from the engine actor and a FeedHello.
-# 6: a prefill's first token travels on that connection too; its PrefillResult is the reply
-#    of a plain call.
+# 6: the replica's calls to the engine travel on that connection too (FeedCall), answered in
+#    the TokenBatches (FeedReply); a prefill's first token is an event there like any other.
 MESSAGES_VERSION = 6
 
 M = TypeVar("M", bound="_Message")
@@ -124,8 +124,8 @@ class TokenEvent(_Message):
 
 @dataclass(frozen=True)
 class PrefillResult(_Message):
-    """What a prefill engine did with a request: the last message of its prefill stream,
-    after the first token's TokenEvent (which goes out as soon as the token exists).
+    """What a prefill engine did with a request: the reply to its prefill call. The first
+    token's TokenEvent goes out on its own, as soon as the token exists.
 
     status: "handed_off" (decode acked the transfer), "finished" (it ended with its first
     token; nothing to transfer), "transfer_failed" (decode never admitted it: recompute
@@ -140,22 +140,56 @@ class PrefillResult(_Message):
     kind: ClassVar[str] = "prefill_result"
 
 
+FEED_METHODS = ("generate", "prefill", "expect", "follow", "recover", "release", "abort")
+
+
+@dataclass(frozen=True)
+class FeedCall(_Message):
+    """An ingress replica's call to an engine, on its token feed connection
+    (cluster/token_feed.py): `method` is one of FEED_METHODS, `args` its arguments as the
+    engine's `TokenOutbox` takes them. Answered by the FeedReply with the same `call_id`."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+    kind: ClassVar[str] = "feed_call"
+
+
+@dataclass(frozen=True)
+class FeedReply(_Message):
+    """The answer to a FeedCall: its `value`, or `error` (what went wrong, for the caller to
+    raise)."""
+
+    call_id: int
+    value: Any = None
+    error: str | None = None
+    kind: ClassVar[str] = "feed_reply"
+
+
 @dataclass(frozen=True)
 class TokenBatch(_Message):
     """The token events one engine produced in one step for the requests of one subscriber
-    (an ingress replica): one message per step, not one per request and token."""
+    (an ingress replica), and the replies to its calls that are ready: one message per step,
+    not one per request and token."""
 
     events: list[TokenEvent]
+    replies: list[FeedReply] = field(default_factory=list)
     kind: ClassVar[str] = "token_batch"
 
     def to_dict(self) -> dict[str, Any]:
-        events = [event.to_dict() for event in self.events]
-        return {"v": MESSAGES_VERSION, "kind": self.kind, "events": events}
+        return {
+            "v": MESSAGES_VERSION,
+            "kind": self.kind,
+            "events": [event.to_dict() for event in self.events],
+            "replies": [reply.to_dict() for reply in self.replies],
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> TokenBatch:
         if isinstance(data, dict) and isinstance(data.get("events"), list):
             data = data | {"events": [TokenEvent.from_dict(e) for e in data["events"]]}
+        if isinstance(data, dict) and isinstance(data.get("replies"), list):
+            data = data | {"replies": [FeedReply.from_dict(r) for r in data["replies"]]}
         return super().from_dict(data)
 
 

@@ -1,62 +1,52 @@
-"""Token events from an engine actor to an ingress replica: one TCP connection per (replica,
-engine), one message per engine step.
+"""Token feeds: one TCP connection per (ingress replica, engine actor) carries the replica's
+calls to the engine and, per engine step, one message with the events of its requests and the
+replies to its calls. This module has the protocol, the framing and the replica's end
+(`EngineFeed`); cluster/feed_server.py has the engine's.
 
 A Ray streaming call per request puts every token of every request through its own Ray
 object, report and await: 32 streams cost 32 of them per engine step, in the engine actor,
 in Ray and in the ingress, on the cores the engine steps on. Even one Ray stream per replica
 costs ~0.55 ms of CPU in the engine actor and ~0.75 ms in the ingress per item on the 2-core
 benchmark machine (a bare async actor streaming small dicts), against a decode step of
-~2.7 ms. So each ingress replica opens one connection to each engine it uses, with a ticket
-it asks the engine actor for over Ray (only the cluster's processes get one), and the engine
-writes, per step, one `TokenBatch` frame with the events of every request of that replica:
+~2.7 ms; and a Ray actor call takes ~1.5 ms there, where a frame each way on the socket takes
+a few tenths of one. So each ingress replica opens one connection to each engine it uses,
+with a ticket it asks the engine actor for over Ray (only the cluster's processes get one):
 
     ingress replica                                    engine actor
     EngineFeed ── subscribe(subscriber) (Ray) ────────▶ FeedServer.admit: FeedTicket
        ── TCP connect, FeedHello(ticket) ─────────────▶ FeedServer: a TokenOutbox for it
-       ◀─────────── TokenBatch frame per step ──────────
-    RayEngine.generate ── generate(request, subscriber) ▶ worker.submit(request, outbox.push)
-    RayEngine.follow   ── follow(request_id, subscriber) ▶ worker.attach(request_id, outbox.push)
-    RayEngine.prefill  ── prefill(request, address, subscriber) ▶ worker.submit_prefill(...):
-                          the first token on the feed, the PrefillResult as the call's reply
+       ── FeedCall(call_id, method, args) ────────────▶ TokenOutbox runs it on the actor loop
+       ◀── TokenBatch(events, replies) per step ────────
+    calls: generate (events to this feed), prefill (its first token to this feed; the reply
+    is the PrefillResult), expect, follow (events to this feed), recover, release, abort
 
     frame := 4-byte big-endian length | msgpack of the message's dict (cluster/messages.py)
 
-The feed hands each event to the queue of its request; a request that its caller gave up
-is aborted explicitly (the orchestrator), as before. If the engine actor dies, its
-connection closes and every request still open on the feed ends with EngineDied. If the
-replica goes away, its connection closes on the engine side and every request it left open
-there is aborted.
+The feed hands each event to the queue of its request and each reply to its call; a request
+that its caller gave up is aborted explicitly (the orchestrator). If the engine actor dies,
+its connection closes and every request and call still open on the feed ends with
+EngineDied. If the replica goes away, its connection closes on the engine side and every
+request it left open there is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import os
-import secrets
 import socket
 import struct
-import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 from ray.exceptions import RayActorError
 
-from hybridserve.cluster.messages import (
-    FeedHello,
-    FeedTicket,
-    GenerateRequest,
-    PrefillResult,
-    TokenBatch,
-    TokenEvent,
-)
+from hybridserve.cluster.messages import FeedCall, FeedHello, FeedTicket, TokenBatch, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied
-
-if TYPE_CHECKING:
-    from hybridserve.cluster.worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +67,11 @@ class FeedLost(ConnectionError):
     """The token feed from an engine broke while the engine itself still answers over Ray:
     its requests on that feed end with this error (the engine aborts them), and the engine
     keeps serving."""
+
+
+class EngineCallFailed(RuntimeError):
+    """An engine answered a call with an error (a request it refused, an engine that is
+    shutting down); the message names the engine and says why."""
 
 
 def frame(message: dict[str, Any]) -> bytes:
@@ -105,195 +100,19 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
-class TokenOutbox:
-    """Engine side: the events of one subscriber's requests, batched until its stream takes
-    them. Lives on the engine actor's event loop."""
-
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
-        self.request_ids: set[str] = set()  # open here for this subscriber
-        self._events: list[TokenEvent] = []
-        self._ready = asyncio.Event()
-
-    def submit(self, request: GenerateRequest) -> None:
-        self.request_ids.add(request.request_id)
-        try:
-            self.worker.submit(request, self._push)
-        except BaseException:
-            self.request_ids.discard(request.request_id)
-            raise
-
-    def attach(self, request_id: str) -> None:
-        self.request_ids.add(request_id)
-        try:
-            self.worker.attach(request_id, self._push)
-        except BaseException:
-            self.request_ids.discard(request_id)
-            raise
-
-    async def prefill(
-        self, request: GenerateRequest, decode_address: tuple[str, int]
-    ) -> PrefillResult:
-        """Prefill `request` here, its first token's event to this subscriber, and ship it
-        to `decode_address`: how the transfer went (or why the request was refused). A
-        cancelled call drops the request here."""
-        request_id = request.request_id
-        try:
-            done = self.worker.submit_prefill(request, decode_address, self._push)
-        except ValueError as exc:
-            return PrefillResult(request_id, "error", detail=str(exc))
-        self.request_ids.add(request_id)
-        try:
-            return await done
-        finally:
-            self.request_ids.discard(request_id)
-            self.worker.close_stream(request_id)
-
-    def _push(self, event: TokenEvent) -> None:
-        self._events.append(event)
-        self._ready.set()
-        if event.finished and event.request_id in self.request_ids:
-            self.request_ids.discard(event.request_id)
-            self.worker.close_stream(event.request_id)
-
-    async def batches(self) -> AsyncIterator[TokenBatch]:
-        """An empty batch first (the subscription is open), then one per wake-up."""
-        yield TokenBatch([])
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            events, self._events = self._events, []
-            yield TokenBatch(events)
-
-    def close(self) -> None:
-        """The subscriber is gone: nothing it left running may stay behind."""
-        for request_id in list(self.request_ids):
-            self.worker.close_stream(request_id)
-        self.request_ids.clear()
-
-
-class FeedServer:
-    """Engine side: where ingress replicas read this engine's token batches, one connection
-    and one TokenOutbox per replica. Lives on the engine actor's event loop; listens once the
-    first replica asks (`admit`)."""
-
-    def __init__(self, worker: EngineWorker, host: str) -> None:
-        self.worker = worker
-        self.host = host
-        self.outboxes: dict[str, TokenOutbox] = {}  # by subscriber, while connected
-        self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (subscriber, issued at)
-        self._server: asyncio.Server | None = None
-        self._starting = asyncio.Lock()  # replicas that subscribe at once start one listener
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._num_ungreeted = 0
-
-    async def admit(self, subscriber: str) -> FeedTicket:
-        """A one-time ticket for `subscriber`'s connection (asked for over Ray)."""
-        if subscriber in self.outboxes:
-            raise ValueError(f"{subscriber!r} is already subscribed to {self.worker.name}")
-        async with self._starting:
-            if self._server is None:
-                self._server = await asyncio.start_server(self._serve, self.host, 0)
-        now = time.monotonic()
-        self._tickets = {t: v for t, v in self._tickets.items() if now - v[1] < TICKET_TTL_S}
-        ticket = secrets.token_hex(16)
-        self._tickets[ticket] = (subscriber, now)
-        port = self._server.sockets[0].getsockname()[1]
-        return FeedTicket(self.host, port, ticket)
-
-    def outbox(self, subscriber: str) -> TokenOutbox:
-        outbox = self.outboxes.get(subscriber)
-        if outbox is None:
-            raise ValueError(f"{subscriber!r} is not subscribed to {self.worker.name}")
-        return outbox
-
-    def close(self) -> None:
-        """Stop listening and drop every connection (their requests are aborted)."""
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            if self._num_ungreeted >= MAX_UNGREETED:
-                logger.warning(
-                    "engine %s: token feed connection refused: %d others wait to show a ticket",
-                    self.worker.name,
-                    self._num_ungreeted,
-                )
-                return
-            self._num_ungreeted += 1
-            try:
-                subscriber = await self._greeted(reader)
-            finally:
-                self._num_ungreeted -= 1
-            if subscriber is None:
-                return
-            keep_alive(writer)
-            outbox = self.outboxes[subscriber] = TokenOutbox(self.worker)
-            sending = asyncio.ensure_future(self._send(outbox, writer))
-            # The replica sends nothing after its hello: the read ends when it goes away.
-            gone = asyncio.ensure_future(reader.read(1))
-            try:
-                await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sending.cancel()
-                gone.cancel()
-                del self.outboxes[subscriber]
-                outbox.close()
-            if gone.done() and not gone.cancelled():
-                gone.exception()  # a reset connection: the replica went, as with a close
-            failure = sending.exception() if sending.done() and not sending.cancelled() else None
-            if failure is not None and not isinstance(failure, OSError):
-                logger.error(
-                    "engine %s: token feed to %s failed",
-                    self.worker.name,
-                    subscriber,
-                    exc_info=failure,
-                )
-            else:
-                logger.info("engine %s: token feed to %s closed", self.worker.name, subscriber)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _greeted(self, reader: asyncio.StreamReader) -> str | None:
-        """The subscriber whose ticket the connection's hello holds; None (logged) for a
-        connection without a valid, unused ticket."""
-        try:
-            hello = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
-            entry = self._tickets.pop(FeedHello.from_dict(hello).ticket, None)
-        except (OSError, EOFError, ValueError, TypeError) as exc:
-            logger.warning("engine %s: token feed connection refused: %r", self.worker.name, exc)
-            return None
-        expired = entry is not None and time.monotonic() - entry[1] >= TICKET_TTL_S
-        if entry is None or expired or entry[0] in self.outboxes:
-            logger.warning(
-                "engine %s: token feed connection refused: unknown, expired or used ticket",
-                self.worker.name,
-            )
-            return None
-        return entry[0]
-
-    @staticmethod
-    async def _send(outbox: TokenOutbox, writer: asyncio.StreamWriter) -> None:
-        async for batch in outbox.batches():
-            writer.write(frame(batch.to_dict()))
-            await writer.drain()
-
-
 class EngineFeed:
-    """Ingress side: this replica's subscription to one engine actor, opened on first use,
-    and the queue of each request that waits for events from it."""
+    """Ingress side: this replica's connection to one engine actor, opened on first use: its
+    calls, and the queue of each request that waits for events from it."""
 
     def __init__(self, name: str, handle: Any) -> None:
         self.name = name
         self.handle = handle
         self.subscriber = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._queues: dict[str, asyncio.Queue[TokenEvent | None]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}  # by call id, until replied
+        self._call_ids = itertools.count(1)
         self._opened: asyncio.Future[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
         # Reads the connection once opened; held here, as a task nobody holds may be collected
         # while it waits on the socket.
         self.reading: asyncio.Task[None] | None = None
@@ -305,6 +124,35 @@ class EngineFeed:
         """A queue for `request_id`'s events, registered before the engine is asked to run
         or stream the request, so none is missed. Raises EngineDied if the engine is gone,
         FeedLost if only this feed broke."""
+        await self._connected()
+        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """The engine's answer to `method(*args)` (cluster/feed_server.py runs it). Raises
+        EngineCallFailed if it answered with an error, EngineDied if the engine is gone,
+        FeedLost if only this feed broke. A caller that stops waiting does not stop the call."""
+        await self._connected()
+        call_id = next(self._call_ids)
+        reply = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(FeedCall(call_id, method, list(args)))
+            return await reply
+        finally:
+            self._calls.pop(call_id, None)
+
+    def send(self, method: str, *args: Any) -> None:
+        """`method(*args)` without waiting for the answer (an abort on the way out). Nothing
+        to do on a feed that is not open: the engine runs nothing for this replica then."""
+        if self._writer is not None and not self.dead:
+            self._send(FeedCall(0, method, list(args)))  # call 0: its reply is dropped
+
+    def _send(self, call: FeedCall) -> None:
+        assert self._writer is not None
+        self._writer.write(frame(call.to_dict()))
+
+    async def _connected(self) -> None:
         if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
             # Outside the current request's Ray task: when a client goes away, Serve cancels
@@ -316,9 +164,6 @@ class EngineFeed:
         await asyncio.shield(self._opened)
         if self.dead:
             raise self.failure()
-        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
 
     def close(self, request_id: str) -> None:
         """Later events of `request_id` are dropped."""
@@ -372,11 +217,20 @@ class EngineFeed:
             while True:
                 batch = TokenBatch.from_dict(await read_frame(reader))
                 if not self._opened.done():
+                    self._writer = writer
                     self._opened.set_result(None)
                 for event in batch.events:
                     queue = self._queues.get(event.request_id)
                     if queue is not None:
                         queue.put_nowait(event)
+                for reply in batch.replies:
+                    call = self._calls.get(reply.call_id)
+                    if call is None or call.done():
+                        continue  # a call sent without waiting, or given up
+                    if reply.error is None:
+                        call.set_result(reply.value)
+                    else:
+                        call.set_exception(EngineCallFailed(f"engine {self.name}: {reply.error}"))
         except RayActorError:
             pass  # the engine is gone: EngineDied to every open request
         except Exception as exc:  # the connection, not necessarily the engine
@@ -387,11 +241,15 @@ class EngineFeed:
             if writer is not None:
                 writer.close()
             self.dead = True
+            self._writer = None
             logger.warning("engine %s: token feed to this replica ended", self.name)
             if not self._opened.done():
                 self._opened.set_result(None)
             for queue in self._queues.values():
                 queue.put_nowait(None)
+            for call in self._calls.values():
+                if not call.done():
+                    call.set_exception(self.failure())
 
     async def _engine_alive(self) -> bool:
         """Whether the engine actor still answers over Ray. One that is alive but does not

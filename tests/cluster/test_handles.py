@@ -1,100 +1,101 @@
-"""RayEngine's prefill (cluster/handles.py): its first token from the replica's feed, its
-result from the call's reply, in either order. Engine and replica ends together over
-loopback TCP (a real FeedServer and EngineWorkers; oracle: offline), and the orderings and
-failures with a scripted engine (the code under test is the handle's)."""
+"""RayEngine (cluster/handles.py): an engine's calls and events through this replica's feed
+from it. Both ends over loopback TCP: real FeedServers in front of real EngineWorkers (tiny
+model), a whole disaggregated request through the orchestrator (oracle: offline; pools back
+at baseline). A prefill's first token and its result in either order, and its failures,
+against a scripted engine (the code under test is the handle's)."""
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError
 
+from hybridserve.cluster.feed_server import FeedServer
 from hybridserve.cluster.handles import RayEngine
-from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenBatch, TokenEvent
-from hybridserve.cluster.orchestrator import EngineDied
-from hybridserve.cluster.token_feed import EngineFeed, FeedLost, FeedServer
-from tests.cluster.test_token_feed import FeedServerHandle, ScriptedEngine, pair  # noqa: F401
-from tests.cluster.test_worker import assert_idle_at_baseline, offline, request, tokens_of
+from hybridserve.cluster.messages import (
+    GenerateRequest,
+    PrefillResult,
+    TokenBatch,
+    TokenEvent,
+)
+from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
+from hybridserve.cluster.token_feed import EngineCallFailed, EngineFeed, FeedLost
+from tests.cluster.test_token_feed import FeedServerHandle, ScriptedEngine
+from tests.cluster.test_worker import (
+    PROMPT,
+    FixedRoute,
+    assert_idle_at_baseline,
+    collect,
+    offline,
+    request,
+    tokens_of,
+)
+
+ROLES = ("prefill", "decode")
 
 
-class PrefillActor(FeedServerHandle):
-    """Stands in for an engine actor handle over a real FeedServer: `prefill` does what the
-    actor's method does."""
+def test_a_disaggregated_request_runs_through_both_engines_feeds(pd_workers):
+    prefill, decode = pd_workers
+    router = FixedRoute(*ROLES)
 
-    def __init__(self, server: FeedServer) -> None:
-        super().__init__(server)
-        self.prefill = SimpleNamespace(remote=self._prefill)
+    async def scenario() -> tuple[list[TokenEvent], list[TokenEvent]]:
+        servers = {
+            "prefill": FeedServer(prefill, "127.0.0.1"),
+            "decode": FeedServer(decode, "127.0.0.1"),
+        }
+        engines = {
+            name: RayEngine(name, EngineFeed(name, FeedServerHandle(server)))
+            for name, server in servers.items()
+        }
 
-    async def _prefill(
-        self, request: dict[str, Any], address: list[Any], subscriber: str
-    ) -> dict[str, Any]:
-        outbox = self.server.outbox(subscriber)
-        result = await outbox.prefill(GenerateRequest.from_dict(request), tuple(address))
-        return result.to_dict()
+        async def died(name: str) -> None:
+            raise AssertionError(f"{name} reported dead")
 
+        orchestrator = Orchestrator(router, engines, died)
+        events = await collect(orchestrator.run(request()))
+        refused = await collect(orchestrator.run(request(prompt=[*PROMPT, 10_000])))
+        for name, engine in engines.items():
+            engine.feed.reading.cancel()
+            while servers[name].outboxes:
+                await asyncio.sleep(0.01)
+            servers[name].close()
+        return events, refused
 
-def replying(result: PrefillResult | BaseException, after_s: float = 0.0) -> SimpleNamespace:
-    """A scripted `prefill` method: its reply, `after_s` seconds after the call."""
-
-    async def remote(*_: Any) -> dict[str, Any]:
-        await asyncio.sleep(after_s)
-        if isinstance(result, BaseException):
-            raise result
-        return result.to_dict()
-
-    return SimpleNamespace(remote=remote)
-
-
-async def messages(engine: RayEngine, req: GenerateRequest) -> list[Any]:
-    return [m async for m in engine.prefill(req, ("127.0.0.1", 1))]
-
-
-def test_the_first_token_comes_from_the_feed_and_the_result_from_the_reply(pair):  # noqa: F811
-    prefill, decode = pair
-
-    async def scenario() -> list[TokenEvent]:
-        server = FeedServer(prefill, "127.0.0.1")
-        actor = PrefillActor(server)
-        engine = RayEngine("prefill", actor, EngineFeed("prefill", actor))
-        req = request()
-        address = await decode.expect(req.request_id)
-        first, result = [m async for m in engine.prefill(req, address)]
-        assert isinstance(first, TokenEvent) and result.status == "handed_off"
-        events = [first, *[e async for e in decode.follow(req.request_id)]]
-        engine.feed.reading.cancel()
-        while server.outboxes:
-            await asyncio.sleep(0.01)
-        server.close()
-        return events
-
-    assert tokens_of(asyncio.run(asyncio.wait_for(scenario(), 30))) == offline()
+    events, refused = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert tokens_of(events) == offline()
+    # The prefill engine refused it: one error event naming why; the decode engine's stream
+    # was released.
+    assert len(refused) == 1 and "outside the vocabulary" in refused[0].error
+    assert router.held == []
     assert decode._streams == {} and prefill._streams == {}
     assert_idle_at_baseline(prefill, decode)
 
 
-def scripted(reply: SimpleNamespace, *batches: TokenBatch | BaseException, alive: bool = False):
+def scripted(alive: bool = False) -> tuple[RayEngine, ScriptedEngine]:
     engine = ScriptedEngine(alive)
-    engine.prefill = reply
-    for batch in (TokenBatch([]), *batches):
-        engine.script.put_nowait(batch)
-    return RayEngine("prefill-0", engine, EngineFeed("prefill-0", engine))
+    engine.script.put_nowait(TokenBatch([]))
+    return RayEngine("prefill-0", EngineFeed("prefill-0", engine)), engine
+
+
+async def prefill_messages(engine: RayEngine, req: GenerateRequest) -> list[Any]:
+    return [m async for m in engine.prefill(req, ("127.0.0.1", 1))]
 
 
 def test_a_reply_ahead_of_the_first_token_waits_for_it():
-    """The transfer can finish before the feed delivers: the token still comes first."""
+    """The transfer can finish before the token's batch comes: the token still goes first."""
     req = request()
     result = PrefillResult(req.request_id, "handed_off", blocks_sent=2)
     first = TokenEvent(req.request_id, 0, [7])
 
     async def scenario() -> list[Any]:
-        engine = scripted(replying(result))
-        run = asyncio.ensure_future(messages(engine, req))
+        engine, script = scripted()
+        run = asyncio.ensure_future(prefill_messages(engine, req))
+        call = await script.reply(result.to_dict())
+        assert (call.method, call.args[0]["request_id"]) == ("prefill", req.request_id)
         await asyncio.sleep(0.1)  # the reply is in; the token is not
         assert not run.done()
-        engine.handle.script.put_nowait(TokenBatch([first]))
+        script.script.put_nowait(TokenBatch([first]))
         return await run
 
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [first, result]
@@ -103,19 +104,42 @@ def test_a_reply_ahead_of_the_first_token_waits_for_it():
 def test_a_refused_prefill_yields_its_result_alone():
     req = request()
     refused = PrefillResult(req.request_id, "error", detail="token id 10000 is outside")
-    engine_messages = asyncio.run(asyncio.wait_for(messages(scripted(replying(refused)), req), 10))
-    assert engine_messages == [refused]
+
+    async def scenario() -> list[Any]:
+        engine, script = scripted()
+        run = asyncio.ensure_future(prefill_messages(engine, req))
+        await script.reply(refused.to_dict())
+        return await run
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [refused]
 
 
-def test_a_prefill_engine_that_dies_is_reported():
-    engine = scripted(replying(RayActorError(), after_s=0.05))
-    with pytest.raises(EngineDied, match="prefill-0"):
-        asyncio.run(asyncio.wait_for(messages(engine, request()), 10))
+def test_a_prefill_the_engine_cannot_take_raises_its_error():
+    async def scenario() -> None:
+        engine, script = scripted()
+        run = asyncio.ensure_future(prefill_messages(engine, request()))
+        await script.reply(error="EngineUnavailable: shutting down")
+        await run
+
+    with pytest.raises(EngineCallFailed, match="prefill-0: EngineUnavailable: shutting down"):
+        asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
-def test_a_feed_lost_before_the_first_token_fails_the_request_not_the_engine():
+@pytest.mark.parametrize("alive", [False, True], ids=["engine died", "feed lost"])
+def test_a_feed_that_ends_before_the_first_token_fails_the_request(alive):
+    """Dead engine: EngineDied (it is restarted). Live engine, broken feed: FeedLost (only
+    the request fails)."""
     req = request()
-    handed_off = PrefillResult(req.request_id, "handed_off")
-    engine = scripted(replying(handed_off), ConnectionResetError(), alive=True)
-    with pytest.raises(FeedLost, match="prefill-0"):
-        asyncio.run(asyncio.wait_for(messages(engine, req), 10))
+
+    async def scenario() -> None:
+        engine, script = scripted(alive)
+        run = asyncio.ensure_future(prefill_messages(engine, req))
+        if alive:  # the transfer went, then the connection broke
+            await script.reply(PrefillResult(req.request_id, "handed_off").to_dict())
+        else:
+            await script.calls.get()
+        script.script.put_nowait(ConnectionResetError())
+        await run
+
+    with pytest.raises(FeedLost if alive else EngineDied, match="prefill-0"):
+        asyncio.run(asyncio.wait_for(scenario(), 10))

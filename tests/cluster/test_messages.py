@@ -8,7 +8,9 @@ import pytest
 
 from hybridserve.cluster.messages import (
     MESSAGES_VERSION,
+    FeedCall,
     FeedHello,
+    FeedReply,
     FeedTicket,
     GenerateRequest,
     MessageError,
@@ -28,6 +30,10 @@ MESSAGES = [
     PrefillResult("r2", "error", detail="token id 9999 is outside the vocabulary"),
     TokenBatch([EVENT, TokenEvent("r2", 0, [5], finish_reason="stop", last=True)]),
     TokenBatch([]),
+    TokenBatch([EVENT], [FeedReply(3, ["10.0.0.7", 5000]), FeedReply(4, error="ValueError: x")]),
+    FeedCall(3, "expect", ["r1", 1]),
+    FeedCall(4, "generate", [GenerateRequest("r1", [1], {}).to_dict()]),
+    FeedReply(5, PrefillResult("r1", "finished").to_dict()),
     FeedTicket("10.0.0.7", 41234, "5f0c"),
     FeedHello("5f0c"),
 ]

@@ -1,221 +1,46 @@
-"""Token events by subscription (cluster/token_feed.py). Engine side: a real EngineWorker
-(tiny model) feeding a TokenOutbox; oracle: an offline engine, and one batch per step
-carrying several requests' events. Both ends over loopback TCP: a real FeedServer and
-EngineFeed. Ingress side alone: EngineFeed against a scripted server (the code under test is
-the demultiplexing and the engine's death)."""
+"""The replica end of the token feeds (cluster/token_feed.py): EngineFeed against a
+scripted engine (the code under test is the demultiplexing of events and replies, and the
+engine's death), and both ends together over loopback TCP (a real FeedServer and EngineFeed,
+with a real EngineWorker; oracle: an offline engine)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from ray.exceptions import RayActorError
 
-from hybridserve.cluster.messages import FeedHello, FeedTicket, TokenBatch, TokenEvent
+from hybridserve.cluster.feed_server import FeedServer
+from hybridserve.cluster.messages import (
+    FeedCall,
+    FeedHello,
+    FeedReply,
+    FeedTicket,
+    TokenBatch,
+    TokenEvent,
+)
 from hybridserve.cluster.orchestrator import EngineDied
 from hybridserve.cluster.token_feed import (
-    HELLO_MAX_BYTES,
-    TICKET_TTL_S,
+    EngineCallFailed,
     EngineFeed,
     FeedLost,
-    FeedServer,
-    TokenOutbox,
     frame,
     read_frame,
 )
-from tests.cluster.test_worker import (
-    PROMPT,
-    assert_idle_at_baseline,
-    offline,
-    request,
-    tokens_of,
-    worker,
-)
-
-OTHER_PROMPT = [(7 * i + 3) % 250 for i in range(40)]
-
-
-async def until_finished(
-    batches: AsyncIterator[TokenBatch], request_ids: set[str]
-) -> tuple[dict[str, list[TokenEvent]], list[set[str]]]:
-    """Every event of `request_ids` (by request), and the requests each batch carried."""
-    events: dict[str, list[TokenEvent]] = {r: [] for r in request_ids}
-    carried: list[set[str]] = []
-    while request_ids:
-        batch = await asyncio.wait_for(anext(batches), 30)
-        carried.append({event.request_id for event in batch.events})
-        for event in batch.events:
-            events[event.request_id].append(event)
-            if event.finished:
-                request_ids.discard(event.request_id)
-    return events, carried
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    w = worker("colocated", name="feed-colocated")
-    yield w
-    w.shutdown()
-
-
-def test_one_batch_per_step_carries_every_request_s_tokens(colocated):
-    requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=12)]
-
-    async def scenario() -> tuple[dict[str, list[TokenEvent]], list[set[str]], TokenOutbox]:
-        outbox = TokenOutbox(colocated)
-        batches = outbox.batches()
-        assert (await anext(batches)).events == []  # the subscription is open
-        for r in requests:
-            outbox.submit(r)
-        events, carried = await until_finished(batches, {r.request_id for r in requests})
-        return events, carried, outbox
-
-    events, carried, outbox = asyncio.run(scenario())
-    assert tokens_of(events[requests[0].request_id]) == offline()
-    assert tokens_of(events[requests[1].request_id]) == offline(OTHER_PROMPT, max_tokens=12)
-    # Decode steps run both requests: their events travel together, in fewer batches than
-    # events (a batch holds every event since the subscriber's last one).
-    assert any(len(ids) == 2 for ids in carried)
-    assert len(carried) < sum(len(e) for e in events.values())
-    assert outbox.request_ids == set() and colocated._streams == {}
-    assert_idle_at_baseline(colocated)
-
-
-def test_closing_the_outbox_aborts_what_its_subscriber_left_running(colocated):
-    async def scenario() -> TokenOutbox:
-        outbox = TokenOutbox(colocated)
-        batches = outbox.batches()
-        await anext(batches)
-        outbox.submit(request(max_tokens=400))
-        while not (await asyncio.wait_for(anext(batches), 30)).events:
-            pass
-        outbox.close()
-        return outbox
-
-    outbox = asyncio.run(scenario())
-    assert outbox.request_ids == set() and colocated._streams == {}
-    assert_idle_at_baseline(colocated)
-
-
-def test_a_refused_request_raises_and_leaves_nothing_open(colocated):
-    async def scenario() -> TokenOutbox:
-        outbox = TokenOutbox(colocated)
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            outbox.submit(request(prompt=[*PROMPT, 10_000]))
-        return outbox
-
-    outbox = asyncio.run(scenario())
-    assert outbox.request_ids == set() and colocated._streams == {}
-    assert_idle_at_baseline(colocated)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    prefill, decode = worker("prefill", name="feed-prefill"), worker("decode", name="feed-decode")
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
-
-
-def test_attach_streams_an_expected_request_including_what_arrived_before(pair):
-    """Prefill -> decode, the decode side attached only after the hand-over: the tokens it
-    produced meanwhile come first, each exactly once (tokens_of checks the offsets)."""
-    prefill, decode = pair
-
-    async def scenario() -> list[TokenEvent]:
-        outbox = TokenOutbox(decode)
-        batches = outbox.batches()
-        await anext(batches)
-        req = request()
-        address = await decode.expect(req.request_id)
-        first, result = [m async for m in prefill.prefill(req, address)]
-        assert isinstance(first, TokenEvent) and result.status == "handed_off"
-        await asyncio.sleep(0.2)  # let decode run ahead of the attach
-        outbox.attach(req.request_id)
-        events, _ = await until_finished(batches, {req.request_id})
-        return [first, *events[req.request_id]]
-
-    assert tokens_of(asyncio.run(scenario())) == offline()
-    assert decode._streams == {} and prefill._streams == {}
-    assert_idle_at_baseline(prefill, decode)
-
-
-def test_a_prefill_s_first_token_goes_to_its_subscriber_and_its_result_is_returned(pair):
-    """The prefill engine's outbox carries the first token; the decode engine continues from
-    the transferred state (oracle: offline)."""
-    prefill, decode = pair
-
-    async def scenario() -> list[TokenEvent]:
-        outbox = TokenOutbox(prefill)
-        batches = outbox.batches()
-        await anext(batches)
-        req = request()
-        address = await decode.expect(req.request_id)
-        result = await outbox.prefill(req, address)
-        assert result.status == "handed_off" and result.blocks_sent > 0
-        (first,) = (await asyncio.wait_for(anext(batches), 30)).events
-        assert outbox.request_ids == set()
-        return [first, *[e async for e in decode.follow(req.request_id)]]
-
-    assert tokens_of(asyncio.run(scenario())) == offline()
-    assert decode._streams == {} and prefill._streams == {}
-    assert_idle_at_baseline(prefill, decode)
-
-
-def test_a_prefill_the_engine_refuses_returns_the_error_and_leaves_nothing_open(pair):
-    prefill, decode = pair
-
-    async def scenario() -> None:
-        outbox = TokenOutbox(prefill)
-        req = request(prompt=[*PROMPT, 10_000])
-        address = await decode.expect(req.request_id)
-        result = await outbox.prefill(req, address)
-        assert result.status == "error" and "outside the vocabulary" in result.detail
-        assert outbox.request_ids == set()
-        await decode.release(req.request_id)
-
-    asyncio.run(scenario())
-    assert decode._streams == {} and prefill._streams == {}
-    assert_idle_at_baseline(prefill, decode)
-
-
-def test_a_cancelled_prefill_drops_the_request_on_the_engine(pair):
-    """The ingress cancels the call (its client went away) while the prompt is computed:
-    nothing stays on the prefill engine, and what reached the decode engine goes with the
-    release."""
-    prefill, decode = pair
-
-    async def scenario() -> None:
-        outbox = TokenOutbox(prefill)
-        req = request(max_tokens=400)
-        address = await decode.expect(req.request_id)
-        call = asyncio.ensure_future(outbox.prefill(req, address))
-        await asyncio.sleep(0)  # submitted: the prompt is being computed
-        assert outbox.request_ids == {req.request_id}
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        assert outbox.request_ids == set() and prefill._streams == {}
-        await decode.release(req.request_id)
-
-    asyncio.run(scenario())
-    deadline = time.monotonic() + 30  # a transfer cut off mid-way settles on its own
-    while any(w.check_integrity()["busy"] for w in pair) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert decode._streams == {} and prefill._streams == {}
-    assert_idle_at_baseline(prefill, decode)
+from tests.cluster.test_feed_server import OTHER_PROMPT
+from tests.cluster.test_worker import assert_idle_at_baseline, offline, request, tokens_of
 
 
 class ScriptedEngine:
     """Stands in for an engine actor handle: `subscribe` hands out a ticket for a TCP server
-    of its own, which checks the hello and writes the batches put on `script` as frames
-    (an exception closes the connection: the engine died)."""
+    of its own, which checks the hello, puts the calls it reads on `calls` and writes the
+    batches put on `script` as frames (an exception closes the connection: the engine
+    died)."""
 
     def __init__(self, alive: bool = False) -> None:
         self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
+        self.calls: asyncio.Queue[FeedCall] = asyncio.Queue()
         self.subscribe = self
         self.describe = Describe(alive)
         self.subscribers: list[str] = []
@@ -228,10 +53,22 @@ class ScriptedEngine:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.hellos.append(FeedHello.from_dict(await read_frame(reader)))
+        reading = asyncio.ensure_future(self._read_calls(reader))
         while not isinstance(item := await self.script.get(), BaseException):
             writer.write(frame(item.to_dict()))
             await writer.drain()
+        reading.cancel()
         writer.close()
+
+    async def _read_calls(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            self.calls.put_nowait(FeedCall.from_dict(await read_frame(reader)))
+
+    async def reply(self, value: Any = None, error: str | None = None) -> FeedCall:
+        """Answer the next call (once it came); returns it."""
+        call = await self.calls.get()
+        self.script.put_nowait(TokenBatch([], [FeedReply(call.call_id, value, error)]))
+        return call
 
 
 class Describe:
@@ -259,14 +96,14 @@ class FeedServerHandle:
         return (await self.server.admit(subscriber)).to_dict()
 
 
-def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated):
+def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated_worker):
     """Engine and replica ends together over loopback TCP: the replica's requests stream
     their tokens (oracle: offline), and when the replica goes, what it left running is
     aborted."""
     requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=400)]
 
     async def scenario() -> list[int]:
-        server = FeedServer(colocated, "127.0.0.1")
+        server = FeedServer(colocated_worker, "127.0.0.1")
         feed = EngineFeed("colocated", FeedServerHandle(server))
         queues = [await feed.open(r.request_id) for r in requests]
         for r in requests:
@@ -282,35 +119,8 @@ def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated):
 
     tokens = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert tokens == offline()
-    assert colocated._streams == {}
-    assert_idle_at_baseline(colocated)
-
-
-def test_a_connection_without_a_valid_ticket_gets_nothing(colocated):
-    async def scenario() -> list[bytes]:
-        server = FeedServer(colocated, "127.0.0.1")
-        ticket = await server.admit("replica-1")
-        received = []
-        expired = await server.admit("replica-2")
-        subscriber, issued = server._tickets[expired.ticket]
-        server._tickets[expired.ticket] = (subscriber, issued - TICKET_TTL_S)
-        oversize = FeedHello("x" * HELLO_MAX_BYTES)  # refused before it is read
-        hellos = [FeedHello("forged"), oversize, FeedHello(expired.ticket)]
-        for hello in (*hellos, FeedHello(ticket.ticket), FeedHello(ticket.ticket)):
-            reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
-            writer.write(frame(hello.to_dict()))
-            received.append(await reader.read(1))  # b"": closed without a frame
-            writer.close()
-            while server.outboxes:
-                await asyncio.sleep(0.01)
-        server.close()
-        return received
-
-    # Forged, oversize, expired and reused tickets are refused; the real one gets the first
-    # batch.
-    forged, oversize, expired, real, reused = asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert (forged, oversize, expired, len(real), reused) == (b"", b"", b"", 1, b"")
-    assert_idle_at_baseline(colocated)
+    assert colocated_worker._streams == {}
+    assert_idle_at_baseline(colocated_worker)
 
 
 def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death():
@@ -410,5 +220,49 @@ def test_queued_events_still_come_out_before_the_engine_s_death():
         assert (await anext(events)).token_ids == [1, 2]
         with pytest.raises(EngineDied, match="decode-0"):
             await anext(events)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_calls_get_their_own_replies_and_an_error_names_the_engine():
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        first = asyncio.ensure_future(feed.call("expect", "a", 1))
+        second = asyncio.ensure_future(feed.call("release", "b"))
+        calls = [await engine.calls.get(), await engine.calls.get()]
+        assert [(c.method, c.args) for c in calls] == [("expect", ["a", 1]), ("release", ["b"])]
+        # Answered out of order, in one batch.
+        engine.script.put_nowait(
+            TokenBatch(
+                [],
+                [
+                    FeedReply(calls[1].call_id, error="ValueError: 'b' is not expected"),
+                    FeedReply(calls[0].call_id, ["10.0.0.7", 5000]),
+                ],
+            )
+        )
+        assert await first == ["10.0.0.7", 5000]
+        with pytest.raises(EngineCallFailed, match="engine decode-0: ValueError: 'b' is not"):
+            await second
+        feed.send("abort", "a")  # not waited for: call 0
+        assert (await engine.calls.get()).call_id == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_call_waiting_when_the_engine_dies_raises_engine_died():
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        feed = EngineFeed("decode-0", engine)
+        engine.script.put_nowait(TokenBatch([]))
+        waiting = asyncio.ensure_future(feed.call("prefill", {}, ["127.0.0.1", 1]))
+        await engine.calls.get()
+        engine.script.put_nowait(ConnectionResetError())
+        with pytest.raises(EngineDied, match="decode-0"):
+            await waiting
+        with pytest.raises(EngineDied, match="decode-0"):
+            await feed.call("expect", "b", 1)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))

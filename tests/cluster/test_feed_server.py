@@ -1,0 +1,284 @@
+"""The engine end of the token feeds (cluster/feed_server.py): a real EngineWorker (tiny
+model) behind a TokenOutbox, which runs a replica's calls and batches its requests' events
+and the calls' replies; oracle: an offline engine, one batch per step carrying several
+requests' events, and the pools back at baseline. The FeedServer's ticket check over
+loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from hybridserve.cluster.feed_server import FeedServer, TokenOutbox
+from hybridserve.cluster.messages import FeedCall, FeedHello, FeedReply, TokenBatch, TokenEvent
+from hybridserve.cluster.token_feed import HELLO_MAX_BYTES, TICKET_TTL_S, frame
+from tests.cluster.test_worker import (
+    PROMPT,
+    assert_idle_at_baseline,
+    offline,
+    request,
+    tokens_of,
+)
+
+OTHER_PROMPT = [(7 * i + 3) % 250 for i in range(40)]
+
+
+async def until_finished(
+    batches: AsyncIterator[TokenBatch], request_ids: set[str]
+) -> tuple[dict[str, list[TokenEvent]], list[set[str]]]:
+    """Every event of `request_ids` (by request), and the requests each batch carried."""
+    events: dict[str, list[TokenEvent]] = {r: [] for r in request_ids}
+    carried: list[set[str]] = []
+    while request_ids:
+        batch = await asyncio.wait_for(anext(batches), 30)
+        carried.append({event.request_id for event in batch.events})
+        for event in batch.events:
+            events[event.request_id].append(event)
+            if event.finished:
+                request_ids.discard(event.request_id)
+    return events, carried
+
+
+def test_one_batch_per_step_carries_every_request_s_tokens(colocated_worker):
+    requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=12)]
+
+    async def scenario() -> tuple[dict[str, list[TokenEvent]], list[set[str]], TokenOutbox]:
+        outbox = TokenOutbox(colocated_worker)
+        batches = outbox.batches()
+        assert (await anext(batches)).events == []  # the subscription is open
+        for r in requests:
+            outbox.submit(r)
+        events, carried = await until_finished(batches, {r.request_id for r in requests})
+        return events, carried, outbox
+
+    events, carried, outbox = asyncio.run(scenario())
+    assert tokens_of(events[requests[0].request_id]) == offline()
+    assert tokens_of(events[requests[1].request_id]) == offline(OTHER_PROMPT, max_tokens=12)
+    # Decode steps run both requests: their events travel together, in fewer batches than
+    # events (a batch holds every event since the subscriber's last one).
+    assert any(len(ids) == 2 for ids in carried)
+    assert len(carried) < sum(len(e) for e in events.values())
+    assert outbox.request_ids == set() and colocated_worker._streams == {}
+    assert_idle_at_baseline(colocated_worker)
+
+
+def test_closing_the_outbox_aborts_what_its_subscriber_left_running(colocated_worker):
+    async def scenario() -> TokenOutbox:
+        outbox = TokenOutbox(colocated_worker)
+        batches = outbox.batches()
+        await anext(batches)
+        outbox.submit(request(max_tokens=400))
+        while not (await asyncio.wait_for(anext(batches), 30)).events:
+            pass
+        outbox.close()
+        return outbox
+
+    outbox = asyncio.run(scenario())
+    assert outbox.request_ids == set() and colocated_worker._streams == {}
+    assert_idle_at_baseline(colocated_worker)
+
+
+def test_a_refused_request_raises_and_leaves_nothing_open(colocated_worker):
+    async def scenario() -> TokenOutbox:
+        outbox = TokenOutbox(colocated_worker)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            outbox.submit(request(prompt=[*PROMPT, 10_000]))
+        return outbox
+
+    outbox = asyncio.run(scenario())
+    assert outbox.request_ids == set() and colocated_worker._streams == {}
+    assert_idle_at_baseline(colocated_worker)
+
+
+def test_attach_streams_an_expected_request_including_what_arrived_before(pd_workers):
+    """Prefill -> decode, the decode side attached only after the hand-over: the tokens it
+    produced meanwhile come first, each exactly once (tokens_of checks the offsets)."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> list[TokenEvent]:
+        outbox = TokenOutbox(decode)
+        batches = outbox.batches()
+        await anext(batches)
+        req = request()
+        address = await decode.expect(req.request_id)
+        first, result = [m async for m in prefill.prefill(req, address)]
+        assert isinstance(first, TokenEvent) and result.status == "handed_off"
+        await asyncio.sleep(0.2)  # let decode run ahead of the attach
+        outbox.attach(req.request_id)
+        events, _ = await until_finished(batches, {req.request_id})
+        return [first, *events[req.request_id]]
+
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_prefill_s_first_token_goes_to_its_subscriber_and_its_result_is_returned(pd_workers):
+    """The prefill engine's outbox carries the first token; the decode engine continues from
+    the transferred state (oracle: offline)."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> list[TokenEvent]:
+        outbox = TokenOutbox(prefill)
+        batches = outbox.batches()
+        await anext(batches)
+        req = request()
+        address = await decode.expect(req.request_id)
+        result = await outbox.prefill(req, address)
+        assert result.status == "handed_off" and result.blocks_sent > 0
+        (first,) = (await asyncio.wait_for(anext(batches), 30)).events
+        assert outbox.request_ids == set()
+        return [first, *[e async for e in decode.follow(req.request_id)]]
+
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_prefill_the_engine_refuses_returns_the_error_and_leaves_nothing_open(pd_workers):
+    prefill, decode = pd_workers
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(prefill)
+        req = request(prompt=[*PROMPT, 10_000])
+        address = await decode.expect(req.request_id)
+        result = await outbox.prefill(req, address)
+        assert result.status == "error" and "outside the vocabulary" in result.detail
+        assert outbox.request_ids == set()
+        await decode.release(req.request_id)
+
+    asyncio.run(scenario())
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_cancelled_prefill_drops_the_request_on_the_engine(pd_workers):
+    """The ingress cancels the call (its client went away) while the prompt is computed:
+    nothing stays on the prefill engine, and what reached the decode engine goes with the
+    release."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(prefill)
+        req = request(max_tokens=400)
+        address = await decode.expect(req.request_id)
+        call = asyncio.ensure_future(outbox.prefill(req, address))
+        await asyncio.sleep(0)  # submitted: the prompt is being computed
+        assert outbox.request_ids == {req.request_id}
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert outbox.request_ids == set() and prefill._streams == {}
+        await decode.release(req.request_id)
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 30  # a transfer cut off mid-way settles on its own
+    while any(w.check_integrity()["busy"] for w in pd_workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_connection_without_a_valid_ticket_gets_nothing(colocated_worker):
+    async def scenario() -> list[bytes]:
+        server = FeedServer(colocated_worker, "127.0.0.1")
+        ticket = await server.admit("replica-1")
+        received = []
+        expired = await server.admit("replica-2")
+        subscriber, issued = server._tickets[expired.ticket]
+        server._tickets[expired.ticket] = (subscriber, issued - TICKET_TTL_S)
+        oversize = FeedHello("x" * HELLO_MAX_BYTES)  # refused before it is read
+        hellos = [FeedHello("forged"), oversize, FeedHello(expired.ticket)]
+        for hello in (*hellos, FeedHello(ticket.ticket), FeedHello(ticket.ticket)):
+            reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
+            writer.write(frame(hello.to_dict()))
+            received.append(await reader.read(1))  # b"": closed without a frame
+            writer.close()
+            while server.outboxes:
+                await asyncio.sleep(0.01)
+        server.close()
+        return received
+
+    # Forged, oversize, expired and reused tickets are refused; the real one gets the first
+    # batch.
+    forged, oversize, expired, real, reused = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (forged, oversize, expired, len(real), reused) == (b"", b"", b"", 1, b"")
+    assert_idle_at_baseline(colocated_worker)
+
+
+async def answered(
+    outbox: TokenOutbox, batches: AsyncIterator[TokenBatch], call: FeedCall
+) -> tuple[FeedReply, list[TokenEvent]]:
+    """Run `call` on `outbox`: its FeedReply, and the events that came up to it."""
+    outbox.call(call)
+    events: list[TokenEvent] = []
+    while True:
+        batch = await asyncio.wait_for(anext(batches), 30)
+        events += batch.events
+        if batch.replies:
+            (reply,) = batch.replies
+            assert reply.call_id == call.call_id
+            return reply, events
+
+
+def test_calls_run_on_the_engine_and_are_answered_by_id(pd_workers):
+    """expect, then a prefill (its first token an event, its result the reply), follow, and
+    calls the engine refuses, each answered under its own call id."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> list[TokenEvent]:
+        prefill_box, decode_box = TokenOutbox(prefill), TokenOutbox(decode)
+        prefill_batches, decode_batches = prefill_box.batches(), decode_box.batches()
+        await anext(prefill_batches), await anext(decode_batches)
+        req = request()
+        expect = FeedCall(1, "expect", [req.request_id, 1])
+        address, _ = await answered(decode_box, decode_batches, expect)
+        assert address.error is None and tuple(address.value) == decode.address
+        prefill_call = FeedCall(2, "prefill", [req.to_dict(), address.value])
+        result, first = await answered(prefill_box, prefill_batches, prefill_call)
+        assert result.value["status"] == "handed_off" and len(first) == 1
+        follow = FeedCall(3, "follow", [req.request_id])
+        followed, queued = await answered(decode_box, decode_batches, follow)
+        assert followed.error is None
+        rest: list[TokenEvent] = []
+        if not any(event.finished for event in queued):  # the engine may be done already
+            rest = (await until_finished(decode_batches, {req.request_id}))[0][req.request_id]
+        unknown = FeedCall(4, "resume", [req.request_id])
+        refused, _ = await answered(decode_box, decode_batches, unknown)
+        assert refused.error == "ValueError: no feed call 'resume' with 1 arguments"
+        stranger = FeedCall(5, "follow", ["nobody"])
+        refused, _ = await answered(decode_box, decode_batches, stranger)
+        assert refused.error is not None and "not expected" in refused.error
+        return [*first, *queued, *rest]
+
+    assert tokens_of(asyncio.run(scenario())) == offline()
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_subscriber_gone_mid_prefill_drops_the_request(pd_workers):
+    """Its connection closed while its prefill call waited for the transfer: the call is
+    cancelled, and nothing stays on either engine once the decode stream is released."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(prefill)
+        req = request(max_tokens=400)
+        address = await decode.expect(req.request_id)
+        outbox.call(FeedCall(1, "prefill", [req.to_dict(), list(address)]))
+        await asyncio.sleep(0)  # submitted: the prompt is being computed
+        assert outbox.request_ids == {req.request_id}
+        outbox.close()
+        await asyncio.sleep(0)
+        assert outbox.request_ids == set() and prefill._streams == {}
+        await decode.release(req.request_id)
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 30  # a transfer cut off mid-way settles on its own
+    while any(w.check_integrity()["busy"] for w in pd_workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
