@@ -17,6 +17,7 @@ from hybridserve.cluster.messages import (
     FeedReply,
     FeedTicket,
     GenerateRequest,
+    MessageError,
     PrefillResult,
     TokenBatch,
     TokenEvent,
@@ -63,6 +64,9 @@ class TokenOutbox:
             if not isinstance(exc, (ValueError, RuntimeError)):
                 logger.exception("engine %s: feed call %s failed", self.worker.name, call.method)
             reply = FeedReply(call.call_id, error=f"{type(exc).__name__}: {exc}")
+        self.answer(reply)
+
+    def answer(self, reply: FeedReply) -> None:
         self._replies.append(reply)
         self._ready.set()
 
@@ -74,12 +78,15 @@ class TokenOutbox:
                 address = (str(host), int(port))
                 return (await self.prefill(GenerateRequest.from_dict(request), address)).to_dict()
             case "expect", [request_id, num_choices]:
-                return list(await self.worker.expect(request_id, num_choices))
+                address = list(await self.worker.expect(request_id, num_choices))
+                self.request_ids.add(request_id)  # released or followed by this subscriber
+                return address
             case "follow", [request_id]:
                 self.attach(request_id)
             case "recover", [request, delivered, reason]:
                 await self.worker.recover(GenerateRequest.from_dict(request), delivered, reason)
             case "release", [request_id]:
+                self.request_ids.discard(request_id)
                 await self.worker.release(request_id)
             case "abort", [request_id]:
                 return await self.worker.abort(request_id)
@@ -264,7 +271,14 @@ class FeedServer:
             writer.write(frame(batch.to_dict()))
             await writer.drain()
 
-    @staticmethod
-    async def _receive(outbox: TokenOutbox, reader: asyncio.StreamReader) -> None:
+    async def _receive(self, outbox: TokenOutbox, reader: asyncio.StreamReader) -> None:
         while True:
-            outbox.call(FeedCall.from_dict(await read_frame(reader)))
+            message = await read_frame(reader)
+            try:
+                call = FeedCall.from_dict(message)
+            except MessageError as exc:  # answered, when it says which call it is
+                call_id = message.get("call_id") if isinstance(message, dict) else None
+                logger.warning("engine %s: a malformed feed call: %s", self.worker.name, exc)
+                outbox.answer(FeedReply(call_id if isinstance(call_id, int) else 0, error=str(exc)))
+                continue
+            outbox.call(call)

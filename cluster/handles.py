@@ -1,7 +1,8 @@
 """The orchestrator's clients: `RayEngine` (an EngineActor, through this replica's token
 feed from it) and `RayRouter` (the RouterActor, over Ray). Only plain dicts cross
 (cluster/messages.py). A call or stream that fails because the engine is gone raises
-EngineDied with its name.
+EngineDied with its name; FeedLost when only the connection broke (the engine lives);
+EngineCallFailed when the engine answered a call with an error.
 
 An engine's calls travel on the replica's feed connection (cluster/token_feed.py), not as Ray
 tasks: when a request's coroutine is cancelled (its client went away), a call it already sent
@@ -68,22 +69,28 @@ class RayEngine:
         queue = await self.feed.open(request_id)
         reply = asyncio.ensure_future(self.feed.call("prefill", request.to_dict(), list(address)))
         first = asyncio.ensure_future(queue.get())
+        ended = False  # the request ended here: the engine has let it go
         try:
-            # Either can come first: a short transfer can beat the token's batch, and a
-            # refused request has no first token.
+            # The engine queues the token's event ahead of the reply, but a refused request
+            # has no first token: whichever comes first.
             await asyncio.wait({first, reply}, return_when=asyncio.FIRST_COMPLETED)
             if first.done() or PrefillResult.from_dict(await reply).status != "error":
                 event = await first
                 if event is None:
                     raise self.feed.failure()
+                ended = event.finished
                 yield event
             yield PrefillResult.from_dict(await reply)
+            ended = True
         finally:
             first.cancel()
             self.feed.close(request_id)
             if not reply.done():
                 reply.cancel()
-                self.feed.send("abort", request_id)
+                if not ended:
+                    self.feed.send("abort", request_id)
+            elif not reply.cancelled():
+                reply.exception()  # raised above, or superseded by what ended the request
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         await self.feed.call("recover", request.to_dict(), delivered, reason)

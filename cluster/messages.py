@@ -140,14 +140,11 @@ class PrefillResult(_Message):
     kind: ClassVar[str] = "prefill_result"
 
 
-FEED_METHODS = ("generate", "prefill", "expect", "follow", "recover", "release", "abort")
-
-
 @dataclass(frozen=True)
 class FeedCall(_Message):
     """An ingress replica's call to an engine, on its token feed connection
-    (cluster/token_feed.py): `method` is one of FEED_METHODS, `args` its arguments as the
-    engine's `TokenOutbox` takes them. Answered by the FeedReply with the same `call_id`."""
+    (cluster/token_feed.py): `method` and `args` as the engine's `TokenOutbox` takes them
+    (cluster/feed_server.py). Answered by the FeedReply with the same `call_id`."""
 
     call_id: int
     method: str

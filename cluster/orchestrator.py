@@ -48,6 +48,12 @@ class EngineDied(RuntimeError):
         self.name = name
 
 
+class FeedLost(ConnectionError):
+    """The connection to an engine broke while the engine itself still answers over Ray: the
+    requests on it end with this error (the engine aborts them), and the engine keeps
+    serving. A prefill's is a failed transfer: the decode engine recovers it."""
+
+
 class EngineClient(Protocol):
     """An engine as the orchestrator drives it. Raises EngineDied if the engine is gone."""
 
@@ -157,10 +163,11 @@ class Orchestrator:
                     message = await anext(run)
                 except StopAsyncIteration:
                     break
-                except EngineDied as dead:  # the prefill engine (nothing else is awaited here)
-                    await self.on_engine_dead(dead.name)
+                except (EngineDied, FeedLost) as lost:  # the prefill engine's (nothing else
+                    if isinstance(lost, EngineDied):  # is awaited here)
+                        await self.on_engine_dead(lost.name)
                     if result is None:
-                        result = PrefillResult(request_id, "transfer_failed", detail=str(dead))
+                        result = PrefillResult(request_id, "transfer_failed", detail=str(lost))
                     break
                 if isinstance(message, PrefillResult):
                     result = message

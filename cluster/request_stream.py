@@ -34,18 +34,23 @@ class RequestStream:
     # The engine's first output for choice 0 (all its tokens then, the prefill side's first
     # included): what `EngineWorker.recover` resends if the caller never got that token.
     first_output: RequestOutput | None = None
+    accepted_any: bool = False  # an event went to the caller (on the loop)
 
     def put(self, event: TokenEvent) -> None:
         self.loop.call_soon_threadsafe(self.accept, event)
 
     def accept(self, event: TokenEvent) -> None:
         """On the loop."""
+        if event.finished and not self.accepted_any:
+            # A prefill that ended with its first token, or before it (refused, failed):
+            # nothing to ship. Settled ahead of the sink, which may close the stream. After
+            # the first token, only the transfer's outcome settles it (`_shipped`).
+            self.settle(PrefillResult(event.request_id, "finished"))
+        self.accepted_any = True
         if self.sink is not None:
             self.sink(event)
         else:
             self.queue.put_nowait(event)
-        if event.finished:  # ended by its first token, refused or failed: nothing to ship
-            self.settle(PrefillResult(event.request_id, "finished"))
 
     def settle(self, result: PrefillResult) -> None:
         """On the loop: a prefill's outcome, unless it has one already."""

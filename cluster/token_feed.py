@@ -46,7 +46,7 @@ import msgpack
 from ray.exceptions import RayActorError
 
 from hybridserve.cluster.messages import FeedCall, FeedHello, FeedTicket, TokenBatch, TokenEvent
-from hybridserve.cluster.orchestrator import EngineDied
+from hybridserve.cluster.orchestrator import EngineDied, FeedLost
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,6 @@ TICKET_TTL_S = 60.0  # a ticket nobody came back with (its replica went away) is
 LIVENESS_TIMEOUT_S = 10.0  # asking an engine over Ray whether it lives, after its feed broke
 # A peer that vanishes without closing (its node went) is noticed within ~25 s.
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
-
-
-class FeedLost(ConnectionError):
-    """The token feed from an engine broke while the engine itself still answers over Ray:
-    its requests on that feed end with this error (the engine aborts them), and the engine
-    keeps serving."""
 
 
 class EngineCallFailed(RuntimeError):
@@ -145,12 +139,12 @@ class EngineFeed:
     def send(self, method: str, *args: Any) -> None:
         """`method(*args)` without waiting for the answer (an abort on the way out). Nothing
         to do on a feed that is not open: the engine runs nothing for this replica then."""
-        if self._writer is not None and not self.dead:
-            self._send(FeedCall(0, method, list(args)))  # call 0: its reply is dropped
+        self._send(FeedCall(0, method, list(args)))  # call 0: its reply is dropped
 
     def _send(self, call: FeedCall) -> None:
-        assert self._writer is not None
-        self._writer.write(frame(call.to_dict()))
+        # No writer: the feed is ending, and a call waiting for its reply fails with it.
+        if self._writer is not None:
+            self._writer.write(frame(call.to_dict()))
 
     async def _connected(self) -> None:
         if self._opened is None:
@@ -234,6 +228,9 @@ class EngineFeed:
         except RayActorError:
             pass  # the engine is gone: EngineDied to every open request
         except Exception as exc:  # the connection, not necessarily the engine
+            if writer is not None:
+                writer.close()  # no call goes out while the engine is asked whether it lives
+            self._writer = None
             if await self._engine_alive():
                 self.lost = repr(exc)
             logger.warning("engine %s: token feed to this replica failed: %r", self.name, exc)

@@ -15,9 +15,10 @@ Roles: `prefill` computes a prompt and its first token and ships the request to 
 engine the caller named (`prefill`); `decode` opens the stream of a request it is about to
 receive (`expect`), streams it (`follow`), recovers it after a failed transfer (`recover`),
 or runs a whole request itself (`generate`: conditional disaggregation); `colocated` runs
-everything. cluster/orchestrator.py puts these steps together for one request. `submit` and
-`attach` are `generate` and `follow` for a caller that takes the events itself (the engine
-actor's per-subscriber outbox, cluster/token_feed.py): a step's events reach it at once.
+everything. cluster/orchestrator.py puts these steps together for one request. `submit`,
+`attach` and `submit_prefill` are `generate`, `follow` and `prefill` for a caller that takes
+the events itself (the engine actor's per-subscriber outbox, cluster/feed_server.py): a
+step's events reach it at once.
 """
 
 from __future__ import annotations
@@ -338,7 +339,8 @@ class EngineWorker:
         """`prefill` for a caller that takes the first token's event itself (`sink`, on this
         loop): returns the PrefillResult's future. The caller closes the stream once it has
         the result (`close_stream`), which aborts the request if it is still running here.
-        Raises ValueError for a request the engine refuses (nothing stays open)."""
+        Raises ValueError for a request the engine refuses, EngineUnavailable when the engine
+        is shutting down or stopped (nothing stays open)."""
         stream = self._open(request.request_id)
         stream.sink = sink
         try:
@@ -518,7 +520,8 @@ class EngineWorker:
         for stream, event in deliveries:
             by_loop.setdefault(stream.loop, []).append((stream, event))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(accept_all, items)
+            if not loop.is_closed():  # a caller that went with its loop has nothing to take
+                loop.call_soon_threadsafe(accept_all, items)
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
         """The new tokens of one choice, as an event for its request's stream; None when

@@ -14,7 +14,7 @@ import pytest
 
 from hybridserve.cluster.feed_server import FeedServer, TokenOutbox
 from hybridserve.cluster.messages import FeedCall, FeedHello, FeedReply, TokenBatch, TokenEvent
-from hybridserve.cluster.token_feed import HELLO_MAX_BYTES, TICKET_TTL_S, frame
+from hybridserve.cluster.token_feed import HELLO_MAX_BYTES, TICKET_TTL_S, frame, read_frame
 from tests.cluster.test_worker import (
     PROMPT,
     assert_idle_at_baseline,
@@ -272,8 +272,10 @@ def test_a_subscriber_gone_mid_prefill_drops_the_request(pd_workers):
         await asyncio.sleep(0)  # submitted: the prompt is being computed
         assert outbox.request_ids == {req.request_id}
         outbox.close()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # the cancelled call's task ends
         assert outbox.request_ids == set() and prefill._streams == {}
+        # The call was cancelled, not answered: nothing waits to go to a replica that left.
+        assert outbox._calls == set() and outbox._replies == []
         await decode.release(req.request_id)
 
     asyncio.run(scenario())
@@ -282,3 +284,71 @@ def test_a_subscriber_gone_mid_prefill_drops_the_request(pd_workers):
         time.sleep(0.1)
     assert decode._streams == {} and prefill._streams == {}
     assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_prefill_ended_by_its_first_token_answers_finished(pd_workers):
+    """Nothing to ship: the reply says so, after the token's event, and the engine has let
+    the request go."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> tuple[FeedReply, list[TokenEvent]]:
+        outbox = TokenOutbox(prefill)
+        batches = outbox.batches()
+        await anext(batches)
+        req = request(max_tokens=1)
+        address = await decode.expect(req.request_id)
+        answer = await answered(outbox, batches, FeedCall(1, "prefill", [req.to_dict(), address]))
+        await decode.release(req.request_id)
+        return answer
+
+    reply, events = asyncio.run(scenario())
+    assert reply.value["status"] == "finished"
+    assert tokens_of(events) == offline(max_tokens=1) and events[-1].finished
+    assert decode._streams == {} and prefill._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_stream_expected_for_a_subscriber_goes_with_it(pd_workers):
+    """`expect`, then the replica leaves before it follows or releases the request."""
+    prefill, decode = pd_workers
+
+    async def scenario() -> None:
+        outbox = TokenOutbox(decode)
+        batches = outbox.batches()
+        await anext(batches)
+        reply, _ = await answered(outbox, batches, FeedCall(1, "expect", ["r-left", 1]))
+        assert reply.error is None and "r-left" in decode._streams
+        outbox.close()
+
+    asyncio.run(scenario())
+    assert decode._streams == {}
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_malformed_call_is_answered_and_the_connection_goes_on(colocated_worker):
+    """Over loopback TCP: a call frame missing its arguments gets an error reply under its
+    call id; the next call on the same connection is run."""
+
+    async def scenario() -> list[FeedReply]:
+        server = FeedServer(colocated_worker, "127.0.0.1")
+        ticket = await server.admit("replica-1")
+        reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
+        writer.write(frame(FeedHello(ticket.ticket).to_dict()))
+        await read_frame(reader)  # the first, empty batch: the subscription is open
+        malformed = FeedCall(7, "abort", ["r1"]).to_dict()
+        del malformed["args"]
+        writer.write(frame(malformed))
+        writer.write(frame(FeedCall(8, "abort", ["r-unknown"]).to_dict()))
+        replies: list[FeedReply] = []
+        while len(replies) < 2:
+            replies += TokenBatch.from_dict(await asyncio.wait_for(read_frame(reader), 10)).replies
+        writer.close()
+        while server.outboxes:
+            await asyncio.sleep(0.01)
+        server.close()
+        return replies
+
+    malformed, aborted = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert malformed.call_id == 7 and "malformed" in malformed.error
+    assert (aborted.call_id, aborted.value, aborted.error) == (8, False, None)
+    assert_idle_at_baseline(colocated_worker)

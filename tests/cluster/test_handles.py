@@ -19,8 +19,8 @@ from hybridserve.cluster.messages import (
     TokenBatch,
     TokenEvent,
 )
-from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
-from hybridserve.cluster.token_feed import EngineCallFailed, EngineFeed, FeedLost
+from hybridserve.cluster.orchestrator import EngineDied, FeedLost, Orchestrator
+from hybridserve.cluster.token_feed import EngineCallFailed, EngineFeed
 from tests.cluster.test_token_feed import FeedServerHandle, ScriptedEngine
 from tests.cluster.test_worker import (
     PROMPT,

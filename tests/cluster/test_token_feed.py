@@ -20,11 +20,10 @@ from hybridserve.cluster.messages import (
     TokenBatch,
     TokenEvent,
 )
-from hybridserve.cluster.orchestrator import EngineDied
+from hybridserve.cluster.orchestrator import EngineDied, FeedLost
 from hybridserve.cluster.token_feed import (
     EngineCallFailed,
     EngineFeed,
-    FeedLost,
     frame,
     read_frame,
 )

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
-from hybridserve.cluster.orchestrator import EngineDied, Orchestrator
+from hybridserve.cluster.orchestrator import EngineDied, FeedLost, Orchestrator
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
 from tests.helpers import TRANSFER_SECRET
@@ -256,6 +256,27 @@ def test_a_dead_prefill_engine_is_reported_and_decode_recomputes(pair):
     events = orchestrate({"prefill": DiesOnPrefill(), "decode": decode}, request(), dead)
     assert tokens_of(events) == offline()
     assert dead == ["prefill"]
+    assert_idle_at_baseline(decode)
+
+
+class LosesItsFeedOnPrefill:
+    """A prefill engine whose connection to the replica broke (the engine itself lives)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"an unreachable engine got {name}")
+
+    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
+        raise FeedLost("the token feed from engine prefill was lost: reset")
+        yield  # an async generator, as an engine's prefill is
+
+
+def test_a_lost_prefill_feed_fails_only_the_transfer_and_decode_recomputes(pair):
+    """Recovered like a dead prefill engine, but the engine, alive, is not reported dead."""
+    decode = pair[1]
+    dead: list[str] = []
+    events = orchestrate({"prefill": LosesItsFeedOnPrefill(), "decode": decode}, request(), dead)
+    assert tokens_of(events) == offline()
+    assert dead == []
     assert_idle_at_baseline(decode)
 
 
