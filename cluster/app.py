@@ -25,7 +25,7 @@ from ray import serve
 
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.coordinator import Coordinator
-from hybridserve.cluster.handles import RayEngine, RayRouter
+from hybridserve.cluster.handles import RemoteEngine, RemoteRouter
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.metrics import ServiceMetrics
 from hybridserve.cluster.openai_body import parse_json_object, refuse_unsupported
@@ -253,7 +253,7 @@ class OpenAIIngress:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
         incarnations = topology["incarnations"]
         engines = {
-            name: RayEngine(name, self._feed(name, incarnations[name], handle))
+            name: RemoteEngine(name, self._feed(name, incarnations[name], handle))
             for name, handle in topology["engines"].items()
         }
 
@@ -264,13 +264,17 @@ class OpenAIIngress:
             self._topology = None  # routed afresh from now on
 
         orchestrator = Orchestrator(
-            RayRouter(topology["router"]), engines, engine_died, incarnations
+            RemoteRouter(self._feed("router", 0, topology["router"])),
+            engines,
+            engine_died,
+            incarnations,
         )
         async for event in orchestrator.run(request):
             yield event
 
     def _feed(self, name: str, incarnation: int, handle: Any) -> EngineFeed:
-        """This replica's token stream from that engine incarnation (one for all requests)."""
+        """This replica's connection to that engine incarnation, or to the router (one for
+        all requests)."""
         feed = self._feeds.get((name, incarnation))
         if feed is None or feed.dead:
             for key in [k for k, f in self._feeds.items() if k[0] == name and f is not feed]:

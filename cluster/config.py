@@ -88,8 +88,9 @@ class ServiceConfig(BaseModel):
     )
     transfer_host: str | None = Field(
         None,
-        description="the address engines' transfer endpoints (decode) and token feeds bind "
-        "and advertise; default: each engine's own node address (Ray's node IP)",
+        description="the address engines' transfer endpoints (decode) and the engines' and "
+        "router's feeds bind and advertise; default: each actor's own node address (Ray's "
+        "node IP)",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on shutdown, how long running requests may finish"

@@ -60,6 +60,7 @@ class Coordinator:
             first.block_size,
             first.enable_partial_reuse,
             self.config.max_queued_requests,
+            self.config.transfer_host,
         )
         self.placement_groups: dict[str, PlacementGroup] = {}
         self.resources: dict[str, dict[str, Any]] = {}

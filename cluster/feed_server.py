@@ -1,6 +1,8 @@
-"""The engine end of the token feeds (cluster/token_feed.py has the protocol): a
-`FeedServer` per engine actor, where ingress replicas connect with a ticket, and a
-`TokenOutbox` per connected replica, which runs its calls and batches what goes back."""
+"""The serving end of the token feeds (cluster/token_feed.py has the protocol): a
+`FeedServer` per actor that ingress replicas call on the request path (each engine, the
+router), where they connect with a ticket, and a session per connected replica, which runs
+its calls and batches what goes back: an engine's `TokenOutbox` (calls, and its requests'
+token events), the router's `RouteSession` (cluster/actors.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from hybridserve.cluster.messages import (
@@ -38,14 +40,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TokenOutbox:
-    """Engine side: one subscriber's calls, and the events of its requests and the replies to
-    its calls, batched until its connection takes them. Lives on the engine actor's event
-    loop."""
+class FeedSession:
+    """One subscriber's connection, on the serving actor's side: runs its calls (`_run`) and
+    batches what goes back to it (replies, and the events of an engine's requests) until the
+    connection takes them. Lives on the actor's event loop."""
 
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
-        self.request_ids: set[str] = set()  # open here for this subscriber
+    def __init__(self, name: str) -> None:
+        self.name = name  # the serving actor's, for logs
         self._events: list[TokenEvent] = []
         self._replies: list[FeedReply] = []
         self._ready = asyncio.Event()
@@ -62,13 +63,42 @@ class TokenOutbox:
             reply = FeedReply(call.call_id, await self._run(call.method, call.args))
         except Exception as exc:  # the caller raises it
             if not isinstance(exc, (ValueError, RuntimeError)):
-                logger.exception("engine %s: feed call %s failed", self.worker.name, call.method)
+                logger.exception("%s: feed call %s failed", self.name, call.method)
             reply = FeedReply(call.call_id, error=f"{type(exc).__name__}: {exc}")
         self.answer(reply)
 
     def answer(self, reply: FeedReply) -> None:
         self._replies.append(reply)
         self._ready.set()
+
+    async def _run(self, method: str, args: list[Any]) -> Any:
+        """The value of `method(*args)`; ValueError for a call this session does not take."""
+        raise ValueError(f"no feed call {method!r} with {len(args)} arguments")
+
+    async def batches(self) -> AsyncIterator[TokenBatch]:
+        """An empty batch first (the subscription is open), then one per wake-up."""
+        yield TokenBatch([])
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            events, self._events = self._events, []
+            replies, self._replies = self._replies, []
+            yield TokenBatch(events, replies)
+
+    def close(self) -> None:
+        """The subscriber is gone: its calls under way stop."""
+        for task in list(self._calls):
+            task.cancel()
+
+
+class TokenOutbox(FeedSession):
+    """An engine's session with one subscriber: the engine calls, and the events of the
+    requests it runs or follows here."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        super().__init__(f"engine {worker.name}")
+        self.worker = worker
+        self.request_ids: set[str] = set()  # open here for this subscriber
 
     async def _run(self, method: str, args: list[Any]) -> Any:
         match method, args:
@@ -91,7 +121,7 @@ class TokenOutbox:
             case "abort", [request_id]:
                 return await self.worker.abort(request_id)
             case _:
-                raise ValueError(f"no feed call {method!r} with {len(args)} arguments")
+                return await super()._run(method, args)
         return None
 
     def submit(self, request: GenerateRequest) -> None:
@@ -135,34 +165,24 @@ class TokenOutbox:
             self.request_ids.discard(event.request_id)
             self.worker.close_stream(event.request_id)
 
-    async def batches(self) -> AsyncIterator[TokenBatch]:
-        """An empty batch first (the subscription is open), then one per wake-up."""
-        yield TokenBatch([])
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            events, self._events = self._events, []
-            replies, self._replies = self._replies, []
-            yield TokenBatch(events, replies)
-
     def close(self) -> None:
         """The subscriber is gone: nothing it left running may stay behind."""
-        for task in list(self._calls):
-            task.cancel()  # a prefill's drops its request
+        super().close()  # a prefill's call drops its request
         for request_id in list(self.request_ids):
             self.worker.close_stream(request_id)
         self.request_ids.clear()
 
 
 class FeedServer:
-    """Engine side: where ingress replicas read this engine's token batches, one connection
-    and one TokenOutbox per replica. Lives on the engine actor's event loop; listens once the
+    """Where ingress replicas connect to an actor (an engine, the router): one connection and
+    one session (`session()`) per replica. Lives on the actor's event loop; listens once the
     first replica asks (`admit`)."""
 
-    def __init__(self, worker: EngineWorker, host: str) -> None:
-        self.worker = worker
+    def __init__(self, name: str, host: str, session: Callable[[], FeedSession]) -> None:
+        self.name = name  # the actor's, for logs and errors
         self.host = host
-        self.outboxes: dict[str, TokenOutbox] = {}  # by subscriber, while connected
+        self.session = session
+        self.sessions: dict[str, FeedSession] = {}  # by subscriber, while connected
         self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (subscriber, issued at)
         self._server: asyncio.Server | None = None
         self._starting = asyncio.Lock()  # replicas that subscribe at once start one listener
@@ -171,8 +191,8 @@ class FeedServer:
 
     async def admit(self, subscriber: str) -> FeedTicket:
         """A one-time ticket for `subscriber`'s connection (asked for over Ray)."""
-        if subscriber in self.outboxes:
-            raise ValueError(f"{subscriber!r} is already subscribed to {self.worker.name}")
+        if subscriber in self.sessions:
+            raise ValueError(f"{subscriber!r} is already subscribed to {self.name}")
         async with self._starting:
             if self._server is None:
                 self._server = await asyncio.start_server(self._serve, self.host, 0)
@@ -182,12 +202,6 @@ class FeedServer:
         self._tickets[ticket] = (subscriber, now)
         port = self._server.sockets[0].getsockname()[1]
         return FeedTicket(self.host, port, ticket)
-
-    def outbox(self, subscriber: str) -> TokenOutbox:
-        outbox = self.outboxes.get(subscriber)
-        if outbox is None:
-            raise ValueError(f"{subscriber!r} is not subscribed to {self.worker.name}")
-        return outbox
 
     def close(self) -> None:
         """Stop listening and drop every connection (their requests are aborted)."""
@@ -201,8 +215,8 @@ class FeedServer:
         try:
             if self._num_ungreeted >= MAX_UNGREETED:
                 logger.warning(
-                    "engine %s: token feed connection refused: %d others wait to show a ticket",
-                    self.worker.name,
+                    "%s: token feed connection refused: %d others wait to show a ticket",
+                    self.name,
                     self._num_ungreeted,
                 )
                 return
@@ -214,17 +228,17 @@ class FeedServer:
             if subscriber is None:
                 return
             keep_alive(writer)
-            outbox = self.outboxes[subscriber] = TokenOutbox(self.worker)
-            sending = asyncio.ensure_future(self._send(outbox, writer))
+            session = self.sessions[subscriber] = self.session()
+            sending = asyncio.ensure_future(self._send(session, writer))
             # The replica's calls, until it goes away.
-            receiving = asyncio.ensure_future(self._receive(outbox, reader))
+            receiving = asyncio.ensure_future(self._receive(session, reader))
             try:
                 await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 sending.cancel()
                 receiving.cancel()
-                del self.outboxes[subscriber]
-                outbox.close()
+                del self.sessions[subscriber]
+                session.close()
             failures = [
                 task.exception()
                 for task in (sending, receiving)
@@ -236,13 +250,13 @@ class FeedServer:
             ]
             if failures:
                 logger.error(
-                    "engine %s: token feed to %s failed",
-                    self.worker.name,
+                    "%s: token feed to %s failed",
+                    self.name,
                     subscriber,
                     exc_info=failures[0],
                 )
             else:
-                logger.info("engine %s: token feed to %s closed", self.worker.name, subscriber)
+                logger.info("%s: token feed to %s closed", self.name, subscriber)
         finally:
             self._writers.discard(writer)
             writer.close()
@@ -254,31 +268,33 @@ class FeedServer:
             hello = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), HELLO_TIMEOUT_S)
             entry = self._tickets.pop(FeedHello.from_dict(hello).ticket, None)
         except (OSError, EOFError, ValueError, TypeError) as exc:
-            logger.warning("engine %s: token feed connection refused: %r", self.worker.name, exc)
+            logger.warning("%s: token feed connection refused: %r", self.name, exc)
             return None
         expired = entry is not None and time.monotonic() - entry[1] >= TICKET_TTL_S
-        if entry is None or expired or entry[0] in self.outboxes:
+        if entry is None or expired or entry[0] in self.sessions:
             logger.warning(
-                "engine %s: token feed connection refused: unknown, expired or used ticket",
-                self.worker.name,
+                "%s: token feed connection refused: unknown, expired or used ticket",
+                self.name,
             )
             return None
         return entry[0]
 
     @staticmethod
-    async def _send(outbox: TokenOutbox, writer: asyncio.StreamWriter) -> None:
-        async for batch in outbox.batches():
+    async def _send(session: FeedSession, writer: asyncio.StreamWriter) -> None:
+        async for batch in session.batches():
             writer.write(frame(batch.to_dict()))
             await writer.drain()
 
-    async def _receive(self, outbox: TokenOutbox, reader: asyncio.StreamReader) -> None:
+    async def _receive(self, session: FeedSession, reader: asyncio.StreamReader) -> None:
         while True:
             message = await read_frame(reader)
             try:
                 call = FeedCall.from_dict(message)
             except MessageError as exc:  # answered, when it says which call it is
                 call_id = message.get("call_id") if isinstance(message, dict) else None
-                logger.warning("engine %s: a malformed feed call: %s", self.worker.name, exc)
-                outbox.answer(FeedReply(call_id if isinstance(call_id, int) else 0, error=str(exc)))
+                logger.warning("%s: a malformed feed call: %s", self.name, exc)
+                session.answer(
+                    FeedReply(call_id if isinstance(call_id, int) else 0, error=str(exc))
+                )
                 continue
-            outbox.call(call)
+            session.call(call)

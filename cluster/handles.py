@@ -1,21 +1,18 @@
-"""The orchestrator's clients: `RayEngine` (an EngineActor, through this replica's token
-feed from it) and `RayRouter` (the RouterActor, over Ray). Only plain dicts cross
-(cluster/messages.py). A call or stream that fails because the engine is gone raises
-EngineDied with its name; FeedLost when only the connection broke (the engine lives);
-EngineCallFailed when the engine answered a call with an error.
+"""The orchestrator's clients in the service: `RemoteEngine` (an EngineActor) and
+`RemoteRouter` (the RouterActor), each through this replica's feed connection to that actor
+(cluster/token_feed.py). Only plain dicts cross (cluster/messages.py). A call or stream that
+fails because the actor is gone raises EngineDied with its name; FeedLost when only the
+connection broke (the actor lives); EngineCallFailed when the actor answered a call with an
+error.
 
-An engine's calls travel on the replica's feed connection (cluster/token_feed.py), not as Ray
-tasks: when a request's coroutine is cancelled (its client went away), a call it already sent
-still runs on the engine, so its effect is known, and the request is aborted explicitly
-(`Orchestrator`). The router's calls are Ray tasks: its awaited ones are shielded, and the
-ones made on the way out are submitted outside the request's Ray task (`_call_detached`),
-which Serve cancels then, with every actor call it submitted that has not run yet."""
+Calls on a feed are not Ray tasks: when a request's coroutine is cancelled (its client went
+away; Serve cancels the request's task), a call it already sent still runs, so its effect is
+known: a route that lands after its caller left gives its load back, and the orchestrator
+aborts the request explicitly."""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -23,16 +20,7 @@ from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEv
 from hybridserve.cluster.token_feed import EngineFeed
 
 
-def _call_detached(method: Any, *args: Any) -> None:
-    """`method.remote(*args)`, fire and forget, submitted outside the current request's Ray
-    task: a client that goes away makes Serve cancel that task, and Ray then cancels every
-    actor call the task submitted that has not run yet, which dropped releases made on the
-    way out (router load never given back)."""
-    call = functools.partial(method.remote, *args)
-    asyncio.get_running_loop().call_soon(call, context=contextvars.Context())
-
-
-class RayEngine:
+class RemoteEngine:
     """An engine through `feed`, this replica's connection to it (one per engine, shared by
     every request that runs there)."""
 
@@ -106,12 +94,14 @@ class RayEngine:
         self.feed.send("abort", request_id)
 
 
-class RayRouter:
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+class RemoteRouter:
+    """The router through `feed`, this replica's connection to it."""
+
+    def __init__(self, feed: EngineFeed) -> None:
+        self.feed = feed
 
     async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
-        call = asyncio.ensure_future(self.handle.route.remote(token_ids, cache_salt))
+        call = asyncio.ensure_future(self.feed.call("route", token_ids, cache_salt))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -123,7 +113,7 @@ class RayRouter:
         if call.cancelled() or call.exception() is not None:
             return
         for engine in call.result().get("incarnations", {}):
-            _call_detached(self.handle.release, engine)
+            self.feed.send("release", engine)
 
     async def release(self, engine: str) -> None:
-        _call_detached(self.handle.release, engine)  # fire and forget
+        self.feed.send("release", engine)  # fire and forget

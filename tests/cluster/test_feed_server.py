@@ -15,6 +15,7 @@ import pytest
 from hybridserve.cluster.feed_server import FeedServer, TokenOutbox
 from hybridserve.cluster.messages import FeedCall, FeedHello, FeedReply, TokenBatch, TokenEvent
 from hybridserve.cluster.token_feed import HELLO_MAX_BYTES, TICKET_TTL_S, frame, read_frame
+from hybridserve.cluster.worker import EngineWorker
 from tests.cluster.test_worker import (
     PROMPT,
     assert_idle_at_baseline,
@@ -24,6 +25,11 @@ from tests.cluster.test_worker import (
 )
 
 OTHER_PROMPT = [(7 * i + 3) % 250 for i in range(40)]
+
+
+def feed_server(worker: EngineWorker) -> FeedServer:
+    """An engine actor's feed server, over loopback."""
+    return FeedServer(f"engine {worker.name}", "127.0.0.1", lambda: TokenOutbox(worker))
 
 
 async def until_finished(
@@ -184,7 +190,7 @@ def test_a_cancelled_prefill_drops_the_request_on_the_engine(pd_workers):
 
 def test_a_connection_without_a_valid_ticket_gets_nothing(colocated_worker):
     async def scenario() -> list[bytes]:
-        server = FeedServer(colocated_worker, "127.0.0.1")
+        server = feed_server(colocated_worker)
         ticket = await server.admit("replica-1")
         received = []
         expired = await server.admit("replica-2")
@@ -197,7 +203,7 @@ def test_a_connection_without_a_valid_ticket_gets_nothing(colocated_worker):
             writer.write(frame(hello.to_dict()))
             received.append(await reader.read(1))  # b"": closed without a frame
             writer.close()
-            while server.outboxes:
+            while server.sessions:
                 await asyncio.sleep(0.01)
         server.close()
         return received
@@ -330,7 +336,7 @@ def test_a_malformed_call_is_answered_and_the_connection_goes_on(colocated_worke
     call id; the next call on the same connection is run."""
 
     async def scenario() -> list[FeedReply]:
-        server = FeedServer(colocated_worker, "127.0.0.1")
+        server = feed_server(colocated_worker)
         ticket = await server.admit("replica-1")
         reader, writer = await asyncio.open_connection(ticket.host, ticket.port)
         writer.write(frame(FeedHello(ticket.ticket).to_dict()))
@@ -343,7 +349,7 @@ def test_a_malformed_call_is_answered_and_the_connection_goes_on(colocated_worke
         while len(replies) < 2:
             replies += TokenBatch.from_dict(await asyncio.wait_for(read_frame(reader), 10)).replies
         writer.close()
-        while server.outboxes:
+        while server.sessions:
             await asyncio.sleep(0.01)
         server.close()
         return replies

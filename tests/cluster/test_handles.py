@@ -1,4 +1,4 @@
-"""RayEngine (cluster/handles.py): an engine's calls and events through this replica's feed
+"""RemoteEngine (cluster/handles.py): an engine's calls and events through this replica's feed
 from it. Both ends over loopback TCP: real FeedServers in front of real EngineWorkers (tiny
 model), a whole disaggregated request through the orchestrator (oracle: offline; pools back
 at baseline). A prefill's first token and its result in either order, and its failures,
@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from hybridserve.cluster.feed_server import FeedServer
-from hybridserve.cluster.handles import RayEngine
+from hybridserve.cluster.handles import RemoteEngine
 from hybridserve.cluster.messages import (
     GenerateRequest,
     PrefillResult,
@@ -21,6 +20,7 @@ from hybridserve.cluster.messages import (
 )
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost, Orchestrator
 from hybridserve.cluster.token_feed import EngineCallFailed, EngineFeed
+from tests.cluster.test_feed_server import feed_server
 from tests.cluster.test_token_feed import FeedServerHandle, ScriptedEngine
 from tests.cluster.test_worker import (
     PROMPT,
@@ -41,11 +41,11 @@ def test_a_disaggregated_request_runs_through_both_engines_feeds(pd_workers):
 
     async def scenario() -> tuple[list[TokenEvent], list[TokenEvent]]:
         servers = {
-            "prefill": FeedServer(prefill, "127.0.0.1"),
-            "decode": FeedServer(decode, "127.0.0.1"),
+            "prefill": feed_server(prefill),
+            "decode": feed_server(decode),
         }
         engines = {
-            name: RayEngine(name, EngineFeed(name, FeedServerHandle(server)))
+            name: RemoteEngine(name, EngineFeed(name, FeedServerHandle(server)))
             for name, server in servers.items()
         }
 
@@ -57,7 +57,7 @@ def test_a_disaggregated_request_runs_through_both_engines_feeds(pd_workers):
         refused = await collect(orchestrator.run(request(prompt=[*PROMPT, 10_000])))
         for name, engine in engines.items():
             engine.feed.reading.cancel()
-            while servers[name].outboxes:
+            while servers[name].sessions:
                 await asyncio.sleep(0.01)
             servers[name].close()
         return events, refused
@@ -72,13 +72,13 @@ def test_a_disaggregated_request_runs_through_both_engines_feeds(pd_workers):
     assert_idle_at_baseline(prefill, decode)
 
 
-def scripted(alive: bool = False) -> tuple[RayEngine, ScriptedEngine]:
+def scripted(alive: bool = False) -> tuple[RemoteEngine, ScriptedEngine]:
     engine = ScriptedEngine(alive)
     engine.script.put_nowait(TokenBatch([]))
-    return RayEngine("prefill-0", EngineFeed("prefill-0", engine)), engine
+    return RemoteEngine("prefill-0", EngineFeed("prefill-0", engine)), engine
 
 
-async def prefill_messages(engine: RayEngine, req: GenerateRequest) -> list[Any]:
+async def prefill_messages(engine: RemoteEngine, req: GenerateRequest) -> list[Any]:
     return [m async for m in engine.prefill(req, ("127.0.0.1", 1))]
 
 

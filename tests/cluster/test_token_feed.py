@@ -27,7 +27,7 @@ from hybridserve.cluster.token_feed import (
     frame,
     read_frame,
 )
-from tests.cluster.test_feed_server import OTHER_PROMPT
+from tests.cluster.test_feed_server import OTHER_PROMPT, feed_server
 from tests.cluster.test_worker import assert_idle_at_baseline, offline, request, tokens_of
 
 
@@ -102,16 +102,16 @@ def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated_worke
     requests = [request(), request(prompt=OTHER_PROMPT, max_tokens=400)]
 
     async def scenario() -> list[int]:
-        server = FeedServer(colocated_worker, "127.0.0.1")
+        server = feed_server(colocated_worker)
         feed = EngineFeed("colocated", FeedServerHandle(server))
         queues = [await feed.open(r.request_id) for r in requests]
         for r in requests:
-            server.outbox(feed.subscriber).submit(r)
+            server.sessions[feed.subscriber].submit(r)
         tokens = tokens_of([e async for e in feed.events(requests[0].request_id, queues[0])])
         # The replica goes away (its connection closes) while the long request still runs.
         feed.close(requests[1].request_id)
         feed.reading.cancel()
-        while server.outboxes:
+        while server.sessions:
             await asyncio.sleep(0.01)
         server.close()
         return tokens
