@@ -1,7 +1,8 @@
 """Token feeds: one TCP connection per (ingress replica, engine actor) carries the replica's
 calls to the engine and, per engine step, one message with the events of its requests and the
-replies to its calls. This module has the protocol, the framing and the replica's end
-(`EngineFeed`); cluster/feed_server.py has the engine's.
+replies to its calls; the router actor serves the same kind of connection for routes. This
+module has the protocol, the framing and the replica's end (`EngineFeed`);
+cluster/feed_server.py has the serving end.
 
 A Ray streaming call per request puts every token of every request through its own Ray
 object, report and await: 32 streams cost 32 of them per engine step, in the engine actor,
@@ -95,8 +96,9 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
 
 
 class EngineFeed:
-    """Ingress side: this replica's connection to one engine actor, opened on first use: its
-    calls, and the queue of each request that waits for events from it."""
+    """Ingress side: this replica's connection to one engine actor (or to the router, which
+    sends no events), opened on first use: its calls, and the queue of each request that
+    waits for events from it."""
 
     def __init__(self, name: str, handle: Any) -> None:
         self.name = name
