@@ -216,7 +216,8 @@ class EngineActor:
             transfer_deadline=transfer_deadline,
             transfer_host=host,
         )
-        # Ingress replicas read token batches at the same address (cluster/token_feed.py).
+        # Ingress replicas call it and read its token batches at the same address
+        # (cluster/token_feed.py).
         self.feeds = FeedServer(f"engine {name}", host, functools.partial(TokenOutbox, self.worker))
 
     def describe(self) -> dict[str, Any]:

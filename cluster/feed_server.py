@@ -175,13 +175,13 @@ class TokenOutbox(FeedSession):
 
 class FeedServer:
     """Where ingress replicas connect to an actor (an engine, the router): one connection and
-    one session (`session()`) per replica. Lives on the actor's event loop; listens once the
+    one session (`new_session()`) per replica. Lives on the actor's event loop; listens once the
     first replica asks (`admit`)."""
 
-    def __init__(self, name: str, host: str, session: Callable[[], FeedSession]) -> None:
+    def __init__(self, name: str, host: str, new_session: Callable[[], FeedSession]) -> None:
         self.name = name  # the actor's, for logs and errors
         self.host = host
-        self.session = session
+        self.new_session = new_session
         self.sessions: dict[str, FeedSession] = {}  # by subscriber, while connected
         self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (subscriber, issued at)
         self._server: asyncio.Server | None = None
@@ -228,7 +228,7 @@ class FeedServer:
             if subscriber is None:
                 return
             keep_alive(writer)
-            session = self.sessions[subscriber] = self.session()
+            session = self.sessions[subscriber] = self.new_session()
             sending = asyncio.ensure_future(self._send(session, writer))
             # The replica's calls, until it goes away.
             receiving = asyncio.ensure_future(self._receive(session, reader))
