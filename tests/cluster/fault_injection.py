@@ -147,6 +147,16 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> 
     return value
 
 
+def alive(handle: Any) -> bool:
+    """Whether the actor still answers: False once Ray reports it dead (`ray.kill` returns
+    before the process is gone)."""
+    try:
+        ray.get(handle.describe.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return False
+    return True
+
+
 def stats(handle: Any) -> dict[str, Any]:
     """An engine's load, cache and leak figures (what /metrics exports)."""
     return ray.get(handle.stats.remote())

@@ -30,6 +30,7 @@ from hybridserve.workers import LLM
 from tests.cluster.fault_injection import (
     HEADERS,
     PROBE_TOKENS,
+    alive,
     announce_held_events,
     assert_ends_in_one_error,
     assert_nothing_held,
@@ -348,6 +349,9 @@ def test_the_prefill_engine_killed_mid_hand_off_leaves_decode_serving(faults, of
             "the prompt's blocks in the index",
         )
         ray.kill(prefill)
+        # Dead before the decode engine's receive goes on: else that receive can land and
+        # ack, and the prefill engine's result reach the ingress, before the kill does.
+        wait_for(lambda: not alive(prefill), "the prefill engine's death")
     thread.join(timeout=60)
     assert not thread.is_alive(), "the request never ended"
     events = sse_events(outcome["raw"])
