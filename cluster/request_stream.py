@@ -76,6 +76,17 @@ def accept_all(items: list[tuple[RequestStream, TokenEvent]]) -> None:
         stream.accept(event)
 
 
+def dispatch(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
+    """From the stepping thread: a step's events, in one callback per event loop (one
+    wake-up per step, and a subscriber's outbox sends them as one batch)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+    for stream, event in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, event))
+    for loop, items in by_loop.items():
+        if not loop.is_closed():  # a caller that went with its loop has nothing to take
+            loop.call_soon_threadsafe(accept_all, items)
+
+
 def output_slice(
     output: RequestOutput, start: int, end: int | None = None
 ) -> tuple[list[int], list[list[Any]] | None]:

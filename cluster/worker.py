@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
-from hybridserve.cluster.request_stream import RequestStream, TokenSink, accept_all, output_slice
+from hybridserve.cluster.request_stream import RequestStream, TokenSink, dispatch, output_slice
 from hybridserve.cluster.transfer_links import TransferLinks
 from hybridserve.kernels import c_library
 from hybridserve.transceiver.endpoint import SendOutcome
@@ -482,7 +482,7 @@ class EngineWorker:
                 logger.exception("engine %s: step failed; failing its running requests", self.name)
                 self._fail_all("the engine step failed; see the engine log")
                 continue
-            self._dispatch([d for output in outputs if (d := self._deliver(output)) is not None])
+            dispatch([d for output in outputs if (d := self._deliver(output)) is not None])
             for handoff in handoffs:
                 self._ship(handoff)
             self._flush_cache_events()
@@ -511,17 +511,6 @@ class EngineWorker:
                     exc,
                     held or "none",
                 )
-
-    @staticmethod
-    def _dispatch(deliveries: list[tuple[RequestStream, TokenEvent]]) -> None:
-        """A step's events, in one callback per event loop (one wake-up per step, and a
-        subscriber's outbox sends them as one batch)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
-        for stream, event in deliveries:
-            by_loop.setdefault(stream.loop, []).append((stream, event))
-        for loop, items in by_loop.items():
-            if not loop.is_closed():  # a caller that went with its loop has nothing to take
-                loop.call_soon_threadsafe(accept_all, items)
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
         """The new tokens of one choice, as an event for its request's stream; None when

@@ -154,6 +154,8 @@ def alive(handle: Any) -> bool:
         ray.get(handle.describe.remote(), timeout=10)
     except ray.exceptions.RayActorError:
         return False
+    except ray.exceptions.GetTimeoutError:
+        pass  # not dead yet as far as Ray knows
     return True
 
 

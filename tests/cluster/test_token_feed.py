@@ -70,6 +70,13 @@ class ScriptedEngine:
         return call
 
 
+def scripted_feed(alive: bool = False) -> tuple[EngineFeed, ScriptedEngine]:
+    """A replica's feed from a scripted engine "decode-0", its first (empty) batch sent."""
+    engine = ScriptedEngine(alive)
+    engine.script.put_nowait(TokenBatch([]))
+    return EngineFeed("decode-0", engine), engine
+
+
 class Describe:
     """`describe`, as the feed asks it after its connection broke: the engine answers (it
     lives), or the call fails as Ray's does for a dead actor."""
@@ -124,9 +131,7 @@ def test_a_replica_reads_an_engine_s_batches_over_its_connection(colocated_worke
 
 def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death():
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed()
         a, b = await feed.open("a"), await feed.open("b")
         assert engine.subscribers == [feed.subscriber]  # one subscription for both
         assert engine.hellos == [FeedHello("t-1")]  # the ticket it was handed
@@ -158,9 +163,7 @@ def test_a_broken_feed_from_a_live_engine_fails_its_requests_not_the_engine():
     (not EngineDied, which would have the engine restarted), and the feed is not reused."""
 
     async def scenario() -> None:
-        engine = ScriptedEngine(alive=True)
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed(alive=True)
         queue = await feed.open("a")
         engine.script.put_nowait(ConnectionResetError())
         with pytest.raises(FeedLost, match="decode-0"):
@@ -177,9 +180,7 @@ def test_events_waiting_together_come_out_joined_in_order():
     continuing events joined, anything else (another choice, a repeat) after them, in order."""
 
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed()
         queue = await feed.open("a")
         engine.script.put_nowait(
             TokenBatch(
@@ -207,9 +208,7 @@ def test_events_waiting_together_come_out_joined_in_order():
 
 def test_queued_events_still_come_out_before_the_engine_s_death():
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed()
         queue = await feed.open("a")
         engine.script.put_nowait(TokenBatch([TokenEvent("a", 0, [1]), TokenEvent("a", 1, [2])]))
         engine.script.put_nowait(ConnectionResetError())
@@ -225,9 +224,7 @@ def test_queued_events_still_come_out_before_the_engine_s_death():
 
 def test_calls_get_their_own_replies_and_an_error_names_the_engine():
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed()
         first = asyncio.ensure_future(feed.call("expect", "a", 1))
         second = asyncio.ensure_future(feed.call("release", "b"))
         calls = [await engine.calls.get(), await engine.calls.get()]
@@ -253,9 +250,7 @@ def test_calls_get_their_own_replies_and_an_error_names_the_engine():
 
 def test_a_call_waiting_when_the_engine_dies_raises_engine_died():
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        feed = EngineFeed("decode-0", engine)
-        engine.script.put_nowait(TokenBatch([]))
+        feed, engine = scripted_feed()
         waiting = asyncio.ensure_future(feed.call("prefill", {}, ["127.0.0.1", 1]))
         await engine.calls.get()
         engine.script.put_nowait(ConnectionResetError())

@@ -70,6 +70,17 @@ def assert_idle_at_baseline(*workers: EngineWorker) -> None:
         assert report["num_free_slots"] == report["num_live_slots"], w.name
 
 
+def assert_settled_at_baseline(*workers: EngineWorker) -> None:
+    """Idle at baseline within seconds, with no stream left: a transfer cut off mid-way
+    settles on its own (the decode engine fails the receive, its pages wait out a late
+    write)."""
+    deadline = time.monotonic() + 30
+    while any(w.check_integrity()["busy"] for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(w._streams == {} for w in workers)
+    assert_idle_at_baseline(*workers)
+
+
 @pytest.fixture(scope="module")
 def pair():
     # The decode endpoint binds and advertises the address it is given (the service gives
@@ -141,12 +152,18 @@ class Unreachable:
         return ("127.0.0.1", 1)
 
 
-class DiesOnPrefill:
+class FailsOnPrefill:
+    """A prefill engine whose prefill fails at once with `error`: dead (EngineDied), or its
+    connection to the replica broke while it lives (FeedLost)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
     def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"a dead engine got {name}")
+        raise AssertionError(f"an unreachable engine got {name}")
 
     async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
-        raise EngineDied("prefill")
+        raise self.error
         yield  # an async generator, as an engine's prefill is
 
 
@@ -253,28 +270,20 @@ def test_a_dead_prefill_engine_is_reported_and_decode_recomputes(pair):
     the request itself, and only the prefill engine is reported dead."""
     decode = pair[1]
     dead: list[str] = []
-    events = orchestrate({"prefill": DiesOnPrefill(), "decode": decode}, request(), dead)
+    events = orchestrate(
+        {"prefill": FailsOnPrefill(EngineDied("prefill")), "decode": decode}, request(), dead
+    )
     assert tokens_of(events) == offline()
     assert dead == ["prefill"]
     assert_idle_at_baseline(decode)
-
-
-class LosesItsFeedOnPrefill:
-    """A prefill engine whose connection to the replica broke (the engine itself lives)."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"an unreachable engine got {name}")
-
-    async def prefill(self, request: GenerateRequest, address: tuple[str, int]) -> Any:
-        raise FeedLost("the token feed from engine prefill was lost: reset")
-        yield  # an async generator, as an engine's prefill is
 
 
 def test_a_lost_prefill_feed_fails_only_the_transfer_and_decode_recomputes(pair):
     """Recovered like a dead prefill engine, but the engine, alive, is not reported dead."""
     decode = pair[1]
     dead: list[str] = []
-    events = orchestrate({"prefill": LosesItsFeedOnPrefill(), "decode": decode}, request(), dead)
+    lost = FeedLost("the token feed from engine prefill was lost: reset")
+    events = orchestrate({"prefill": FailsOnPrefill(lost), "decode": decode}, request(), dead)
     assert tokens_of(events) == offline()
     assert dead == []
     assert_idle_at_baseline(decode)
@@ -348,12 +357,7 @@ def test_a_caller_gone_after_the_first_token_leaves_nothing_on_either_engine(pai
     assert first.token_ids == offline()[:1]
     assert router.held == []
     assert prefill._streams == {} and decode._streams == {}
-    # A transfer cut off mid-way settles on its own (the decode engine fails the receive,
-    # its pages wait out a late write): idle at baseline within seconds.
-    deadline = time.monotonic() + 30
-    while any(w.check_integrity()["busy"] for w in pair) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert_idle_at_baseline(prefill, decode)
+    assert_settled_at_baseline(prefill, decode)
 
 
 class DiesAfterTheFirstToken:
