@@ -12,6 +12,7 @@ aborts the request on every engine that holds it.
 # NOTE: no `from __future__ import annotations`: FastAPI reads the route signatures of a
 # Serve ingress class at runtime and would not see `Request` behind a string annotation.
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -253,18 +254,15 @@ class OpenAIIngress:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
         incarnations = topology["incarnations"]
         engines = {
-            name: RemoteEngine(name, self._feed(name, incarnations[name], handle))
+            name: RemoteEngine(name, self._feed(name, incarnations[name], handle, engine=True))
             for name, handle in topology["engines"].items()
         }
 
         async def engine_died(name: str) -> None:
-            # The incarnation this request used: a report about an engine that has been
-            # restarted since is stale, and must not take the new one down.
-            await self.coordinator.mark_dead.remote(name, incarnations.get(name))
-            self._topology = None  # routed afresh from now on
+            await self._engine_died(name, incarnations.get(name))
 
         orchestrator = Orchestrator(
-            RemoteRouter(self._feed("router", 0, topology["router"])),
+            RemoteRouter(self._feed("router", 0, topology["router"], engine=False)),
             engines,
             engine_died,
             incarnations,
@@ -272,14 +270,24 @@ class OpenAIIngress:
         async for event in orchestrator.run(request):
             yield event
 
-    def _feed(self, name: str, incarnation: int, handle: Any) -> EngineFeed:
+    async def _engine_died(self, name: str, incarnation: int | None) -> None:
+        """Report `name` dead to the Coordinator, which takes it out of routing and restarts
+        it. Whoever sees it first reports (the feed, or a request on it; the Coordinator
+        takes the first report); the incarnation makes a report about an engine that has
+        been restarted since stale, so it cannot take the new one down."""
+        await self.coordinator.mark_dead.remote(name, incarnation)
+        self._topology = None  # routed afresh from now on
+
+    def _feed(self, name: str, incarnation: int, handle: Any, *, engine: bool) -> EngineFeed:
         """This replica's connection to that engine incarnation, or to the router (one for
-        all requests)."""
+        all requests). An engine's feed reports the engine's death, even with no request
+        open on it."""
         feed = self._feeds.get((name, incarnation))
         if feed is None or feed.dead:
             for key in [k for k, f in self._feeds.items() if k[0] == name and f is not feed]:
                 del self._feeds[key]  # an engine's earlier incarnations are gone
-            feed = self._feeds[(name, incarnation)] = EngineFeed(name, handle)
+            on_death = functools.partial(self._engine_died, name, incarnation) if engine else None
+            feed = self._feeds[(name, incarnation)] = EngineFeed(name, handle, on_death)
         return feed
 
     @staticmethod

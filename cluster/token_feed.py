@@ -25,9 +25,11 @@ with a ticket it asks the engine actor for over Ray (only the cluster's processe
 
 The feed hands each event to the queue of its request and each reply to its call; a request
 that its caller gave up is aborted explicitly (the orchestrator). If the engine actor dies,
-its connection closes and every request and call still open on the feed ends with
-EngineDied. If the replica goes away, its connection closes on the engine side and every
-request it left open there is aborted.
+its connection closes, every request and call still open on the feed ends with EngineDied,
+and the feed reports the death (`on_death`), idle or not: a dead engine leaves routing when
+the first replica connected to it notices, not at the Coordinator's next health check. If
+the replica goes away, its connection closes on the engine side and every request it left
+open there is aborted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -98,11 +100,18 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
 class EngineFeed:
     """Ingress side: this replica's connection to one engine actor (or to the router, which
     sends no events), opened on first use: its calls, and the queue of each request that
-    waits for events from it."""
+    waits for events from it. `on_death` is awaited once if the feed ends because the actor
+    is gone (not when only the connection broke, nor when the replica closes the feed)."""
 
-    def __init__(self, name: str, handle: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        handle: Any,
+        on_death: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.name = name
         self.handle = handle
+        self.on_death = on_death
         self.subscriber = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._queues: dict[str, asyncio.Queue[TokenEvent | None]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}  # by call id, until replied
@@ -203,6 +212,7 @@ class EngineFeed:
     async def _read(self) -> None:
         assert self._opened is not None
         writer: asyncio.StreamWriter | None = None
+        gone = False  # the actor is dead (not just the connection)
         try:
             ticket = FeedTicket.from_dict(await self.handle.subscribe.remote(self.subscriber))
             reader, writer = await asyncio.wait_for(
@@ -228,13 +238,15 @@ class EngineFeed:
                     else:
                         call.set_exception(EngineCallFailed(f"engine {self.name}: {reply.error}"))
         except RayActorError:
-            pass  # the engine is gone: EngineDied to every open request
+            gone = True  # EngineDied to every open request
         except Exception as exc:  # the connection, not necessarily the engine
             if writer is not None:
                 writer.close()  # no call goes out while the engine is asked whether it lives
             self._writer = None
             if await self._engine_alive():
                 self.lost = repr(exc)
+            else:
+                gone = True
             logger.warning("engine %s: token feed to this replica failed: %r", self.name, exc)
         finally:
             if writer is not None:
@@ -249,6 +261,11 @@ class EngineFeed:
             for call in self._calls.values():
                 if not call.done():
                     call.set_exception(self.failure())
+        if gone and self.on_death is not None:
+            try:
+                await self.on_death()
+            except Exception:  # the Coordinator's health checks find it later
+                logger.exception("engine %s: reporting its death failed", self.name)
 
     async def _engine_alive(self) -> bool:
         """Whether the engine actor still answers over Ray. One that is alive but does not

@@ -357,7 +357,7 @@ def test_the_prefill_engine_killed_mid_hand_off_leaves_decode_serving(faults, of
     events = sse_events(outcome["raw"])
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert streamed_token_ids(events) == expected
-    # Out of routing: reported by the ingress that saw it die, or by the health checks.
+    # Out of routing: reported by the ingress's feed from it (or by the health checks).
     wait_for(lambda: "prefill-0" not in faults.engines(), "the dead engine out of the topology")
     assert ray.get(router.stats.remote())["engines"] == ["decode-0"]
     assert "prefill-0" not in ray.get(router.score.remote(prompt, salt))

@@ -6,6 +6,7 @@ with a real EngineWorker; oracle: an offline engine)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -35,9 +36,10 @@ class ScriptedEngine:
     """Stands in for an engine actor handle: `subscribe` hands out a ticket for a TCP server
     of its own, which checks the hello, puts the calls it reads on `calls` and writes the
     batches put on `script` as frames (an exception closes the connection: the engine
-    died)."""
+    died). `deaths_reported` counts what the feed reported to the Coordinator (`on_death`)."""
 
     def __init__(self, alive: bool = False) -> None:
+        self.deaths_reported = 0
         self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
         self.calls: asyncio.Queue[FeedCall] = asyncio.Queue()
         self.subscribe = self
@@ -63,6 +65,9 @@ class ScriptedEngine:
         while True:
             self.calls.put_nowait(FeedCall.from_dict(await read_frame(reader)))
 
+    async def report_death(self) -> None:
+        self.deaths_reported += 1
+
     async def reply(self, value: Any = None, error: str | None = None) -> FeedCall:
         """Answer the next call (once it came); returns it."""
         call = await self.calls.get()
@@ -74,7 +79,14 @@ def scripted_feed(alive: bool = False) -> tuple[EngineFeed, ScriptedEngine]:
     """A replica's feed from a scripted engine "decode-0", its first (empty) batch sent."""
     engine = ScriptedEngine(alive)
     engine.script.put_nowait(TokenBatch([]))
-    return EngineFeed("decode-0", engine), engine
+    return EngineFeed("decode-0", engine, engine.report_death), engine
+
+
+async def ended(feed: EngineFeed) -> None:
+    """Once the feed's reader has finished (what it reports included)."""
+    assert feed.reading is not None
+    with contextlib.suppress(asyncio.CancelledError):
+        await feed.reading
 
 
 class Describe:
@@ -154,6 +166,39 @@ def test_the_feed_hands_each_event_to_its_request_and_reports_the_engine_s_death
         assert feed.dead
         with pytest.raises(EngineDied, match="decode-0"):
             await feed.open("c")
+        await ended(feed)
+        assert engine.deaths_reported == 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_an_idle_feed_reports_its_engine_s_death():
+    """No request is open when the engine dies: the feed still reports it, so the engine
+    leaves routing now rather than at the Coordinator's next health check."""
+
+    async def scenario() -> None:
+        feed, engine = scripted_feed()
+        queue = await feed.open("a")
+        engine.script.put_nowait(
+            TokenBatch([TokenEvent("a", 0, [1], finish_reason="length", last=True)])
+        )
+        assert tokens_of([e async for e in feed.events("a", queue)]) == [1]
+        engine.script.put_nowait(ConnectionResetError())
+        await ended(feed)
+        assert feed.dead and feed.lost is None
+        assert engine.deaths_reported == 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_feed_the_replica_closes_reports_nothing():
+    async def scenario() -> None:
+        feed, engine = scripted_feed()
+        await feed.open("a")
+        feed.reading.cancel()
+        await ended(feed)
+        assert feed.dead
+        assert engine.deaths_reported == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
@@ -171,6 +216,8 @@ def test_a_broken_feed_from_a_live_engine_fails_its_requests_not_the_engine():
         assert feed.dead and feed.lost is not None
         with pytest.raises(FeedLost):
             await feed.open("b")
+        await ended(feed)
+        assert engine.deaths_reported == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
