@@ -7,7 +7,10 @@ On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the sm
 - latency: one request at a time, a 90-token prompt and 64 output tokens, `--rounds` times
   (fresh prompts): median time to first token and median inter-token latency;
 - throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s,
-  best of 2.
+  best of 2, as one burst (all 32 sent at once) and sustained (32 streams, each sending its
+  next request as its last one ends, `--sustained-requests` each; offline, the engine gets a
+  stream's next request as its last one finishes). A burst's requests run in step; sustained
+  load keeps prefill and decode busy at the same time, as a service's steady state does.
 Offline is `Engine.step` driven in this process (a token counts when its step returns it).
 The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
 the official `openai` client streaming completions (a token counts when its chunk arrives),
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +42,7 @@ import torch
 from common import build_checkpoint, machine, write_result
 
 from hybridserve.cluster import local
+from hybridserve.cluster.config import ServiceConfig
 from hybridserve.workers import LLM, SamplingParams
 
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
@@ -107,6 +112,34 @@ def offline_throughput(llm: LLM, batch: list[Prompt]) -> float:
     return BATCH * BATCH_OUTPUT / elapsed
 
 
+def offline_sustained(llm: LLM, streams: list[list[Prompt]]) -> float:
+    """Output tok/s of `streams` offline: each stream's next prompt goes into the engine as
+    its last request finishes."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=BATCH_OUTPUT, temperature=0.0, ignore_eos=True)
+    waiting = [list(prompts) for prompts in streams]
+    stream_of: dict[str, int] = {}
+    start, num_tokens = time.perf_counter(), 0
+    for i, prompts in enumerate(waiting):
+        stream_of[engine.add_request(prompts.pop(0).token_ids, params)] = i
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if not output.finished:
+                continue
+            num_tokens += len(output.token_ids)
+            i = stream_of.pop(output.request_id)
+            if waiting[i]:
+                stream_of[engine.add_request(waiting[i].pop(0).token_ids, params)] = i
+    assert num_tokens == sum(p.output_len for prompts in streams for p in prompts)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def sustained_streams(num_requests: int, seed: int) -> list[list[Prompt]]:
+    return [
+        prompts(num_requests, BATCH_PROMPT, BATCH_OUTPUT, seed + 1000 * i) for i in range(BATCH)
+    ]
+
+
 async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[float]]:
     """One streamed completion: (time to first token, inter-token gaps), in seconds. The
     checkpoint has no tokenizer: chunks are counted by their token ids."""
@@ -134,11 +167,13 @@ async def stream(client: Any, model: str, prompt: Prompt) -> tuple[float, list[f
 
 @dataclass
 class Figures:
-    """Median TTFT and inter-token latency of the single requests, best output tok/s at 32."""
+    """Median TTFT and inter-token latency of the single requests, best output tok/s at 32
+    (a burst, and sustained)."""
 
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    sustained_rates: list[float] = field(default_factory=list)
 
     def add(self, first: float, gaps: list[float]) -> None:
         self.ttfts.append(first)
@@ -149,6 +184,7 @@ class Figures:
             "ttft_ms": statistics.median(self.ttfts) * 1e3,
             "itl_ms": statistics.median(self.itls) * 1e3,
             "output_tokens_per_s": max(self.rates),
+            "sustained_output_tokens_per_s": max(self.sustained_rates),
         }
 
 
@@ -159,6 +195,7 @@ def side_by_side(
     torch_threads: int | dict[str, int],
     stream_interval: int,
     rounds: int,
+    sustained_requests: int,
     seed: int,
 ) -> tuple[dict[str, float], dict[str, float], str]:
     """The service and the offline engine, measured alternately (request by request, then
@@ -197,6 +234,17 @@ def side_by_side(
                     start = time.perf_counter()
                     runner.run(_all(client, model, batch))
                     service.rates.append(BATCH * BATCH_OUTPUT / (time.perf_counter() - start))
+                for repeat in range(2):
+                    offline.sustained_rates.append(
+                        offline_sustained(
+                            llm, sustained_streams(sustained_requests, seed + 30 + repeat)
+                        )
+                    )
+                    streams = sustained_streams(sustained_requests, seed + 40 + repeat)
+                    start = time.perf_counter()
+                    runner.run(_sustained(client, model, streams))
+                    num_tokens = sum(p.output_len for prompts in streams for p in prompts)
+                    service.sustained_rates.append(num_tokens / (time.perf_counter() - start))
             finally:
                 runner.run(client.close())
     finally:
@@ -207,6 +255,20 @@ def side_by_side(
 
 async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
     await asyncio.gather(*(stream(client, model, p) for p in batch))
+
+
+async def _sustained(client: Any, model: str, streams: list[list[Prompt]]) -> None:
+    async def one(prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            await stream(client, model, prompt)
+
+    await asyncio.gather(*(one(prompts) for prompts in streams))
+
+
+def wait_policy(shape: dict[str, int], torch_threads: Any) -> str:
+    """How the engines' threads wait on this machine (the Coordinator decides it alike)."""
+    config = ServiceConfig(**shape, torch_threads=torch_threads)
+    return "passive" if config.engine_env(len(os.sched_getaffinity(0)), 0) else "active"
 
 
 def main() -> None:
@@ -226,6 +288,12 @@ def main() -> None:
         type=int,
         default=4,
         help="tokens per streamed chunk of each shape's last run, run again (1: no such runs)",
+    )
+    parser.add_argument(
+        "--sustained-requests",
+        type=int,
+        default=3,
+        help="requests per stream of the sustained throughput measurement (default: 3)",
     )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
@@ -258,7 +326,14 @@ def main() -> None:
             for label, shape, threads, interval in runs:
                 seed = 100 * (len(systems) + 1)
                 offline, service, entry = side_by_side(
-                    llm, folder, shape, threads, interval, args.rounds, seed
+                    llm,
+                    folder,
+                    shape,
+                    threads,
+                    interval,
+                    args.rounds,
+                    args.sustained_requests,
+                    seed,
                 )
                 systems[label] = {
                     "entry": entry,
@@ -268,21 +343,27 @@ def main() -> None:
                     "service": service,
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
+                    "cpu_wait_policy": wait_policy(shape, threads),
                     "throughput_ratio": service["output_tokens_per_s"]
                     / offline["output_tokens_per_s"],
+                    "sustained_throughput_ratio": service["sustained_output_tokens_per_s"]
+                    / offline["sustained_output_tokens_per_s"],
                 }
     print(
-        f"{'system':>22} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>15}   service vs offline"
-        "  (offline | service, measured alternately)"
+        f"{'system':>22} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>13} {'sustained':>13}"
+        "   service vs offline  (offline | service, measured alternately)"
     )
     for name, row in systems.items():
         off, srv = row["offline"], row["service"]
         print(
             f"{name:>22} {off['ttft_ms']:>6.1f} |{srv['ttft_ms']:>6.1f} ms "
             f"{off['itl_ms']:>5.2f} |{srv['itl_ms']:>5.2f} ms "
-            f"{off['output_tokens_per_s']:>6.0f} |{srv['output_tokens_per_s']:>6.0f}   "
+            f"{off['output_tokens_per_s']:>5.0f} |{srv['output_tokens_per_s']:>5.0f}  "
+            f"{off['sustained_output_tokens_per_s']:>5.0f} |"
+            f"{srv['sustained_output_tokens_per_s']:>5.0f}   "
             f"TTFT {row['ttft_added_ms']:+.1f} ms, ITL {row['itl_ratio']:.2f}x, "
-            f"tok/s {row['throughput_ratio']:.0%}  ({row['entry']})"
+            f"tok/s {row['throughput_ratio']:.0%} / {row['sustained_throughput_ratio']:.0%}"
+            f"  ({row['entry']}, threads wait {row['cpu_wait_policy']})"
         )
     write_result(
         args.output,
@@ -291,7 +372,12 @@ def main() -> None:
             "quick": args.quick,
             "machine": machine(),
             "latency": {"prompt_len": LATENCY_PROMPT, "output_len": LATENCY_OUTPUT},
-            "throughput": {"concurrency": BATCH, "prompt_len": BATCH_PROMPT},
+            "throughput": {
+                "concurrency": BATCH,
+                "prompt_len": BATCH_PROMPT,
+                "output_len": BATCH_OUTPUT,
+                "sustained_requests_per_stream": args.sustained_requests,
+            },
             "systems": systems,
         },
     )

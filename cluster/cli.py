@@ -273,6 +273,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", help="model id for clients (default: from --model)")
     group.add_argument("--torch-threads", type=int, help="CPU threads per engine")
     group.add_argument(
+        "--cpu-wait-policy",
+        choices=["auto", "active", "passive"],
+        default="auto",
+        help="how engines' idle CPU threads wait: spin (active) or sleep (passive); auto: "
+        "sleep where the engines' threads outnumber the cores (default: auto)",
+    )
+    group.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -297,6 +304,7 @@ def service_config(args: argparse.Namespace) -> dict[str, Any]:
         "api_keys": args.api_key,
         "served_model_name": args.served_model_name,
         "torch_threads": args.torch_threads,
+        "cpu_wait_policy": args.cpu_wait_policy,
         "stream_interval": args.stream_interval,
         "max_queued_requests": None if args.max_queued_requests < 0 else args.max_queued_requests,
     }

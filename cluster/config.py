@@ -68,7 +68,16 @@ class ServiceConfig(BaseModel):
     torch_threads: int | dict[Role, int] | None = Field(
         None,
         description="CPU threads per engine, for every role or per role ({'prefill': 2, "
-        "'decode': 1}; a role left out gets torch's choice); default: torch's choice",
+        "'decode': 1}; a role left out gets torch's choice, which in an engine actor is Ray's "
+        "OMP_NUM_THREADS: 1); default: torch's choice",
+    )
+    cpu_wait_policy: Literal["auto", "active", "passive"] = Field(
+        "auto",
+        description="how an engine's idle CPU threads wait for their next parallel region "
+        "(OMP_WAIT_POLICY): 'active' spins (fastest while each thread has a core of its "
+        "own), 'passive' sleeps (needed where engines' threads outnumber the cores: spinning "
+        "threads then hold the cores the working ones wait for); 'auto': passive exactly "
+        "where the CPU engines' threads outnumber the cores of the Coordinator's node",
     )
     stream_interval: int = Field(
         1,
@@ -176,6 +185,32 @@ class ServiceConfig(BaseModel):
         if isinstance(self.torch_threads, dict):
             return self.torch_threads.get(role)
         return self.torch_threads
+
+    def cpu_engine_threads(self, cluster_gpus: float) -> list[int]:
+        """The CPU threads of each rank of every CPU engine (one where `torch_threads` leaves
+        it to torch: Ray gives an actor without CPUs OMP_NUM_THREADS=1)."""
+        return [
+            self.threads(role) or 1
+            for role in self.engine_names().values()
+            if not self.on_gpu(role, cluster_gpus)
+            for _ in range(self.engine_config(role).tensor_parallel_size)
+        ]
+
+    def oversubscribed(self, num_cores: int, cluster_gpus: float) -> bool:
+        """Whether the CPU engines' threads outnumber `num_cores` with some engine running
+        teams of threads, whose waits would then spin on cores the others need."""
+        threads = self.cpu_engine_threads(cluster_gpus)
+        return sum(threads) > num_cores and max(threads, default=1) > 1
+
+    def engine_env(self, num_cores: int, cluster_gpus: float) -> dict[str, str]:
+        """Environment variables of the engine actors (and their ranks) where `num_cores`
+        cores take every engine: OMP_WAIT_POLICY=PASSIVE where their threads wait passively
+        (`cpu_wait_policy`). Measured on 2 cores, 1 prefill + 1 decode engine of 2 threads
+        each, 32 streams without pause: 150 output tok/s spinning, 457 sleeping."""
+        passive = self.cpu_wait_policy == "passive" or (
+            self.cpu_wait_policy == "auto" and self.oversubscribed(num_cores, cluster_gpus)
+        )
+        return {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}
 
     def on_gpu(self, role: Role, cluster_gpus: float) -> bool:
         """Whether `role`'s engines run on GPUs on a cluster with `cluster_gpus` in all."""

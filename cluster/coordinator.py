@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import ray
@@ -66,6 +67,7 @@ class Coordinator:
         self.resources: dict[str, dict[str, Any]] = {}
         # The deployment's transfer secret: its engines' links admit only each other.
         self.transfer_secret = new_secret()
+        self.engine_runtime_env = self._engine_runtime_env()
         self.engines = {
             name: self._start_engine(name, self.config.engine_config(role))
             for name, role in names.items()
@@ -102,7 +104,7 @@ class Coordinator:
         if tp == 1:
             options = self.config.single_rank_options(engine.role, cluster_gpus)
             self.resources[name] = {"ranks": 1, "actor_options": options}
-            return EngineActor.options(**options).remote(
+            return EngineActor.options(**self._with_runtime_env(options)).remote(
                 name, self._engine_fields(engine), self.router, **kwargs
             )
         bundle = self.config.rank_bundle(engine.role, cluster_gpus)
@@ -123,9 +125,42 @@ class Coordinator:
         }
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         kwargs["placement"] = {"group": group, "bundle": bundle}
-        return EngineActor.options(**bundle_options(bundle), scheduling_strategy=strategy).remote(
+        options = self._with_runtime_env(bundle_options(bundle))
+        return EngineActor.options(**options, scheduling_strategy=strategy).remote(
             name, self._engine_fields(engine), self.router, **kwargs
         )
+
+    def _engine_runtime_env(self) -> dict[str, Any] | None:
+        """The engines' runtime environment: this replica's (the application's: working_dir,
+        env_vars, ...) plus `engine_env`, which OpenMP reads as the process starts; None
+        where that adds nothing (the engines inherit this replica's). A variable the
+        application sets itself stays as it is."""
+        num_cores = len(os.sched_getaffinity(0))
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        env = self.config.engine_env(num_cores, cluster_gpus)
+        if self.config.oversubscribed(num_cores, cluster_gpus):
+            logger.warning(
+                "the CPU engines take %d threads on this node's %d cores: their threads wait "
+                "%s (cpu_wait_policy=%s); fewer torch_threads, so that each has a core, is "
+                "faster",
+                sum(self.config.cpu_engine_threads(cluster_gpus)),
+                num_cores,
+                "passively" if env else "spinning",
+                self.config.cpu_wait_policy,
+            )
+        if not env:
+            return None
+        inherited = dict(ray.get_runtime_context().runtime_env)
+        return inherited | {"env_vars": env | dict(inherited.get("env_vars") or {})}
+
+    def _with_runtime_env(self, options: dict[str, Any]) -> dict[str, Any]:
+        """An engine actor's `options` with the engines' runtime environment under the one
+        they name (their own variables win); its rank actors inherit it."""
+        if self.engine_runtime_env is None:
+            return options
+        own = dict(options.get("runtime_env") or {})
+        env_vars = self.engine_runtime_env["env_vars"] | dict(own.get("env_vars") or {})
+        return options | {"runtime_env": self.engine_runtime_env | own | {"env_vars": env_vars}}
 
     def _engine_fields(self, engine: EngineConfig) -> dict[str, Any]:
         return engine.model_dump() | {"transfer_secret": self.transfer_secret}

@@ -12,6 +12,7 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
     result = run_bench(
         "service_overhead.py",
         *("--quick", "--rounds", "2", "--torch-threads", "1", "--stream-interval", "3"),
+        *("--sustained-requests", "1"),
     )
     systems = result["systems"]
     assert list(systems) == ["colocated t=1", "1P1D t=1", "colocated t=1 si=3", "1P1D t=1 si=3"]
@@ -22,5 +23,7 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
         for figures in (offline, service):
             assert figures["ttft_ms"] > 0 and figures["itl_ms"] > 0
             assert figures["output_tokens_per_s"] > 0
+            assert figures["sustained_output_tokens_per_s"] > 0
         assert row["ttft_added_ms"] == pytest.approx(service["ttft_ms"] - offline["ttft_ms"])
         assert row["itl_ratio"] == pytest.approx(service["itl_ms"] / offline["itl_ms"])
+        assert row["cpu_wait_policy"] == "active"  # 1 thread per engine: nothing spins

@@ -65,6 +65,35 @@ def test_threads_apply_to_every_role_or_per_role():
     assert ServiceConfig().threads("prefill") is None
 
 
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "num_cores", "env"),
+    [
+        # 1 prefill + 1 decode engine of 2 threads on 2 cores: they spin on each other's cores.
+        ({"torch_threads": 2}, 2, PASSIVE),
+        ({"torch_threads": {"prefill": 2, "decode": 1}}, 2, PASSIVE),
+        ({"torch_threads": 2}, 4, {}),  # a core for every thread
+        ({"torch_threads": 1, "num_decode": 3}, 2, {}),  # no teams of threads: nothing spins
+        ({}, 1, {}),  # torch's choice in an actor without CPUs: 1 thread each
+        ({"num_prefill": 0, "torch_threads": 2}, 2, {}),  # colocated: one engine, its cores
+        ({"torch_threads": 2, "decode_engine": {"tensor_parallel_size": 2}}, 4, PASSIVE),
+        ({"torch_threads": 2, "cpu_wait_policy": "active"}, 2, {}),
+        ({"torch_threads": 1, "cpu_wait_policy": "passive"}, 64, PASSIVE),
+    ],
+)
+def test_engine_threads_wait_passively_where_they_outnumber_the_cores(fields, num_cores, env):
+    assert ServiceConfig(**fields).engine_env(num_cores, cluster_gpus=0) == env
+
+
+def test_gpu_engines_threads_are_not_counted_against_the_cores():
+    config = ServiceConfig(torch_threads=8, decode_engine={"device": "cpu"})
+    assert config.cpu_engine_threads(cluster_gpus=2) == [8]  # the decode engine's alone
+    assert config.engine_env(8, cluster_gpus=2) == {}
+    assert config.engine_env(4, cluster_gpus=2) == PASSIVE
+
+
 @pytest.mark.parametrize(
     ("fields", "shown"),
     [
@@ -75,6 +104,7 @@ def test_threads_apply_to_every_role_or_per_role():
         ({"engine_actor_option": {}}, "engine_actor_option"),
         ({"torch_threads": 0}, "thread counts are at least 1"),
         ({"stream_interval": 0}, "stream_interval"),
+        ({"cpu_wait_policy": "spin"}, "cpu_wait_policy"),
         ({"torch_threads": {"decode": 0}}, "thread counts are at least 1"),
         ({"torch_threads": {"decoder": 1}}, "torch_threads"),
     ],

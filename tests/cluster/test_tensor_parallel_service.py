@@ -6,6 +6,7 @@ keep serving."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -42,6 +43,19 @@ def test_each_engine_runs_on_its_own_placement_group_of_rank_actors(tp_service):
     engines = tp_service.engines()
     assert len(ray.get(engines["decode-0"].rank_actors.remote())) == 1
     assert ray.get(engines["prefill-0"].rank_actors.remote()) == []
+
+
+def test_every_engine_process_gets_the_wait_policy(tp_service):
+    """cpu_wait_policy "passive": OpenMP reads OMP_WAIT_POLICY as a process starts, so the
+    Coordinator puts it in the engines' runtime environment, which their ranks inherit."""
+    engines = tp_service.engines()
+    processes = [*engines.values(), *ray.get(engines["decode-0"].rank_actors.remote())]
+    policies = ray.get([p.__ray_call__.remote(_wait_policy) for p in processes])
+    assert policies == ["PASSIVE"] * len(processes)
+
+
+def _wait_policy(_actor: object) -> str | None:
+    return os.environ.get("OMP_WAIT_POLICY")
 
 
 def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
