@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import tempfile
 import time
@@ -42,7 +41,6 @@ import torch
 from common import build_checkpoint, machine, write_result
 
 from hybridserve.cluster import local
-from hybridserve.cluster.config import ServiceConfig
 from hybridserve.workers import LLM, SamplingParams
 
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
@@ -116,12 +114,17 @@ def offline_sustained(llm: LLM, streams: list[list[Prompt]]) -> float:
     """Output tok/s of `streams` offline: each stream's next prompt goes into the engine as
     its last request finishes."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=BATCH_OUTPUT, temperature=0.0, ignore_eos=True)
-    waiting = [list(prompts) for prompts in streams]
+    waiting = [list(queue) for queue in streams]
     stream_of: dict[str, int] = {}
+
+    def add(i: int) -> None:
+        prompt = waiting[i].pop(0)
+        params = SamplingParams(max_tokens=prompt.output_len, temperature=0.0, ignore_eos=True)
+        stream_of[engine.add_request(prompt.token_ids, params)] = i
+
     start, num_tokens = time.perf_counter(), 0
-    for i, prompts in enumerate(waiting):
-        stream_of[engine.add_request(prompts.pop(0).token_ids, params)] = i
+    for i in range(len(waiting)):
+        add(i)
     while engine.has_unfinished_requests():
         for output in engine.step():
             if not output.finished:
@@ -129,8 +132,8 @@ def offline_sustained(llm: LLM, streams: list[list[Prompt]]) -> float:
             num_tokens += len(output.token_ids)
             i = stream_of.pop(output.request_id)
             if waiting[i]:
-                stream_of[engine.add_request(waiting[i].pop(0).token_ids, params)] = i
-    assert num_tokens == sum(p.output_len for prompts in streams for p in prompts)
+                add(i)
+    assert num_tokens == sum(p.output_len for queue in streams for p in queue)
     return num_tokens / (time.perf_counter() - start)
 
 
@@ -188,6 +191,14 @@ class Figures:
         }
 
 
+@dataclass
+class SideBySide:
+    offline: dict[str, float]
+    service: dict[str, float]
+    entry: str  # "direct ingress" or "Serve proxy"
+    cpu_wait_policy: str  # how the service's engines' threads waited (the Coordinator's choice)
+
+
 def side_by_side(
     llm: LLM,
     folder: Path,
@@ -196,12 +207,13 @@ def side_by_side(
     stream_interval: int,
     rounds: int,
     sustained_requests: int,
+    cpu_wait_policy: str,
     seed: int,
-) -> tuple[dict[str, float], dict[str, float], str]:
+) -> SideBySide:
     """The service and the offline engine, measured alternately (request by request, then
     batch by batch, twice): this machine's speed drifts by tens of percent over minutes, and
     alternating puts both sides in the same phase. Prompts are fresh for every measurement
-    (`seed`), so neither side finds them cached. Returns (offline, service, entry)."""
+    (`seed`), so neither side finds them cached."""
     import openai
 
     model = "bench"
@@ -211,10 +223,12 @@ def side_by_side(
         "engine": ENGINE,
         "torch_threads": torch_threads,
         "stream_interval": stream_interval,
+        "cpu_wait_policy": cpu_wait_policy,
     }
     local.connect_ray()
     try:
         proxy_url = local.deploy(config, port=local.free_port())
+        waited = local.coordinator().cpu_wait_policy.remote().result()
         direct_url = local.direct_url()
         base_url = direct_url or proxy_url
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
@@ -243,14 +257,14 @@ def side_by_side(
                     streams = sustained_streams(sustained_requests, seed + 40 + repeat)
                     start = time.perf_counter()
                     runner.run(_sustained(client, model, streams))
-                    num_tokens = sum(p.output_len for prompts in streams for p in prompts)
+                    num_tokens = sum(p.output_len for queue in streams for p in queue)
                     service.sustained_rates.append(num_tokens / (time.perf_counter() - start))
             finally:
                 runner.run(client.close())
     finally:
         local.shutdown()
     entry = "direct ingress" if direct_url else "Serve proxy"
-    return offline.summary(), service.summary(), entry
+    return SideBySide(offline.summary(), service.summary(), entry, waited)
 
 
 async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
@@ -258,17 +272,11 @@ async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
 
 
 async def _sustained(client: Any, model: str, streams: list[list[Prompt]]) -> None:
-    async def one(prompts: list[Prompt]) -> None:
-        for prompt in prompts:
+    async def one(queue: list[Prompt]) -> None:
+        for prompt in queue:
             await stream(client, model, prompt)
 
-    await asyncio.gather(*(one(prompts) for prompts in streams))
-
-
-def wait_policy(shape: dict[str, int], torch_threads: Any) -> str:
-    """How the engines' threads wait on this machine (the Coordinator decides it alike)."""
-    config = ServiceConfig(**shape, torch_threads=torch_threads)
-    return "passive" if config.engine_env(len(os.sched_getaffinity(0)), 0) else "active"
+    await asyncio.gather(*(one(queue) for queue in streams))
 
 
 def main() -> None:
@@ -294,6 +302,12 @@ def main() -> None:
         type=int,
         default=3,
         help="requests per stream of the sustained throughput measurement (default: 3)",
+    )
+    parser.add_argument(
+        "--cpu-wait-policy",
+        choices=["auto", "active", "passive"],
+        default="auto",
+        help="the service's cpu_wait_policy (default: auto)",
     )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
@@ -325,7 +339,7 @@ def main() -> None:
                 ]
             for label, shape, threads, interval in runs:
                 seed = 100 * (len(systems) + 1)
-                offline, service, entry = side_by_side(
+                run = side_by_side(
                     llm,
                     folder,
                     shape,
@@ -333,17 +347,19 @@ def main() -> None:
                     interval,
                     args.rounds,
                     args.sustained_requests,
+                    args.cpu_wait_policy,
                     seed,
                 )
+                offline, service = run.offline, run.service
                 systems[label] = {
-                    "entry": entry,
+                    "entry": run.entry,
                     "torch_threads": threads,
                     "stream_interval": interval,
                     "offline": offline,
                     "service": service,
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
-                    "cpu_wait_policy": wait_policy(shape, threads),
+                    "cpu_wait_policy": run.cpu_wait_policy,
                     "throughput_ratio": service["output_tokens_per_s"]
                     / offline["output_tokens_per_s"],
                     "sustained_throughput_ratio": service["sustained_output_tokens_per_s"]

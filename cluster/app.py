@@ -83,7 +83,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(self.config.model)  # not the weights
         self._grammars: GrammarCompiler | None = None
         self._topology: dict[str, Any] | None = None
-        self._feeds: dict[tuple[str, int], EngineFeed] = {}
+        self._feeds: dict[tuple[str, str, int], EngineFeed] = {}  # (epoch, name, incarnation)
         self.metrics: ServiceMetrics | None = None
 
     @property
@@ -252,17 +252,17 @@ class OpenAIIngress:
         self, request: GenerateRequest, topology: dict[str, Any]
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
-        incarnations = topology["incarnations"]
+        epoch, incarnations = topology["epoch"], topology["incarnations"]
         engines = {
-            name: RemoteEngine(name, self._feed(name, incarnations[name], handle, engine=True))
+            name: RemoteEngine(name, self._feed(epoch, name, incarnations[name], handle))
             for name, handle in topology["engines"].items()
         }
 
         async def engine_died(name: str) -> None:
-            await self._engine_died(name, incarnations.get(name))
+            await self._engine_died(epoch, name, incarnations.get(name))
 
         orchestrator = Orchestrator(
-            RemoteRouter(self._feed("router", 0, topology["router"], engine=False)),
+            RemoteRouter(self._feed(epoch, "router", 0, topology["router"], engine=False)),
             engines,
             engine_died,
             incarnations,
@@ -270,24 +270,32 @@ class OpenAIIngress:
         async for event in orchestrator.run(request):
             yield event
 
-    async def _engine_died(self, name: str, incarnation: int | None) -> None:
+    async def _engine_died(self, epoch: str, name: str, incarnation: int | None) -> None:
         """Report `name` dead to the Coordinator, which takes it out of routing and restarts
         it. Whoever sees it first reports (the feed, or a request on it; the Coordinator
-        takes the first report); the incarnation makes a report about an engine that has
-        been restarted since stale, so it cannot take the new one down."""
-        await self.coordinator.mark_dead.remote(name, incarnation)
-        self._topology = None  # routed afresh from now on
+        acts on the first report). The topology's epoch and the engine's incarnation make a
+        report about an engine that has been restarted since, or that an earlier
+        Coordinator started, stale: it cannot take the new one down."""
+        try:
+            await self.coordinator.mark_dead.remote(name, incarnation, epoch)
+        finally:
+            self._topology = None  # routed afresh from now on
 
-    def _feed(self, name: str, incarnation: int, handle: Any, *, engine: bool) -> EngineFeed:
+    def _feed(
+        self, epoch: str, name: str, incarnation: int, handle: Any, *, engine: bool = True
+    ) -> EngineFeed:
         """This replica's connection to that engine incarnation, or to the router (one for
         all requests). An engine's feed reports the engine's death, even with no request
         open on it."""
-        feed = self._feeds.get((name, incarnation))
+        key = (epoch, name, incarnation)
+        feed = self._feeds.get(key)
         if feed is None or feed.dead:
-            for key in [k for k, f in self._feeds.items() if k[0] == name and f is not feed]:
-                del self._feeds[key]  # an engine's earlier incarnations are gone
-            on_death = functools.partial(self._engine_died, name, incarnation) if engine else None
-            feed = self._feeds[(name, incarnation)] = EngineFeed(name, handle, on_death)
+            for old in [k for k, f in self._feeds.items() if k[1] == name and f is not feed]:
+                del self._feeds[old]  # earlier incarnations, or a Coordinator's before
+            on_death = (
+                functools.partial(self._engine_died, epoch, name, incarnation) if engine else None
+            )
+            feed = self._feeds[key] = EngineFeed(name, handle, on_death)
         return feed
 
     @staticmethod

@@ -69,7 +69,7 @@ class ServiceConfig(BaseModel):
         None,
         description="CPU threads per engine, for every role or per role ({'prefill': 2, "
         "'decode': 1}; a role left out gets torch's choice, which in an engine actor is Ray's "
-        "OMP_NUM_THREADS: 1); default: torch's choice",
+        "OMP_NUM_THREADS: the actor's whole CPUs, at least 1); default: torch's choice",
     )
     cpu_wait_policy: Literal["auto", "active", "passive"] = Field(
         "auto",
@@ -187,10 +187,10 @@ class ServiceConfig(BaseModel):
         return self.torch_threads
 
     def cpu_engine_threads(self, cluster_gpus: float) -> list[int]:
-        """The CPU threads of each rank of every CPU engine (one where `torch_threads` leaves
-        it to torch: Ray gives an actor without CPUs OMP_NUM_THREADS=1)."""
+        """The CPU threads of each rank of every CPU engine. Where `torch_threads` leaves it
+        to torch, Ray's OMP_NUM_THREADS: the rank's whole CPUs, at least 1."""
         return [
-            self.threads(role) or 1
+            self.threads(role) or max(1, int(self.rank_bundle(role, cluster_gpus).get("CPU", 0)))
             for role in self.engine_names().values()
             if not self.on_gpu(role, cluster_gpus)
             for _ in range(self.engine_config(role).tensor_parallel_size)

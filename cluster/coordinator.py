@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -40,6 +43,27 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # an engine's actor answers health() on its event loop, at once
 PLACEMENT_TIMEOUT_S = 120.0
+
+
+def node_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may run on: its CPU affinity, capped by its container's CPU
+    quota (cgroup v2 `cpu.max`, or v1 `cpu/cpu.cfs_quota_us`), which affinity does not
+    show."""
+    cores = len(os.sched_getaffinity(0))
+    for quota_file, period_file in (
+        (cgroup / "cpu.max", None),
+        (cgroup / "cpu" / "cpu.cfs_quota_us", cgroup / "cpu" / "cpu.cfs_period_us"),
+    ):
+        try:
+            fields = quota_file.read_text().split()
+            if period_file is not None:
+                fields.append(period_file.read_text().strip())
+            quota, period = int(fields[0]), int(fields[1])
+        except (OSError, ValueError, IndexError):  # no such cgroup, or "max": no quota
+            continue
+        if quota > 0 and period > 0:
+            return max(1, min(cores, math.ceil(quota / period)))
+    return cores
 
 
 @serve.deployment(num_replicas=1, health_check_period_s=5, health_check_timeout_s=30)
@@ -67,7 +91,10 @@ class Coordinator:
         self.resources: dict[str, dict[str, Any]] = {}
         # The deployment's transfer secret: its engines' links admit only each other.
         self.transfer_secret = new_secret()
-        self.engine_runtime_env = self._engine_runtime_env()
+        # Which Coordinator this is: when Serve restarts it, its engines (and their
+        # incarnation numbers) start afresh, and reports about the old ones must not match.
+        self.epoch = uuid.uuid4().hex
+        self.engine_env = self._engine_env()
         self.engines = {
             name: self._start_engine(name, self.config.engine_config(role))
             for name, role in names.items()
@@ -104,7 +131,7 @@ class Coordinator:
         if tp == 1:
             options = self.config.single_rank_options(engine.role, cluster_gpus)
             self.resources[name] = {"ranks": 1, "actor_options": options}
-            return EngineActor.options(**self._with_runtime_env(options)).remote(
+            return EngineActor.options(**self._with_engine_env(options)).remote(
                 name, self._engine_fields(engine), self.router, **kwargs
             )
         bundle = self.config.rank_bundle(engine.role, cluster_gpus)
@@ -125,42 +152,50 @@ class Coordinator:
         }
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         kwargs["placement"] = {"group": group, "bundle": bundle}
-        options = self._with_runtime_env(bundle_options(bundle))
+        options = self._with_engine_env(bundle_options(bundle))
         return EngineActor.options(**options, scheduling_strategy=strategy).remote(
             name, self._engine_fields(engine), self.router, **kwargs
         )
 
-    def _engine_runtime_env(self) -> dict[str, Any] | None:
-        """The engines' runtime environment: this replica's (the application's: working_dir,
-        env_vars, ...) plus `engine_env`, which OpenMP reads as the process starts; None
-        where that adds nothing (the engines inherit this replica's). A variable the
-        application sets itself stays as it is."""
-        num_cores = len(os.sched_getaffinity(0))
+    def _engine_env(self) -> dict[str, str]:
+        """The variables the engines get on top of what they inherit from this replica (the
+        node's environment and the application's runtime environment): `engine_env` for
+        this node, less any variable set here already, so that an operator's choice stays.
+        OpenMP reads them once, as a process starts."""
+        num_cores = node_cores()
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
-        env = self.config.engine_env(num_cores, cluster_gpus)
+        env = {
+            name: value
+            for name, value in self.config.engine_env(num_cores, cluster_gpus).items()
+            if name not in os.environ
+        }
         if self.config.oversubscribed(num_cores, cluster_gpus):
             logger.warning(
-                "the CPU engines take %d threads on this node's %d cores: their threads wait "
-                "%s (cpu_wait_policy=%s); fewer torch_threads, so that each has a core, is "
+                "the CPU engines take %d threads on this node's %d cores; their threads wait "
+                "%s (cpu_wait_policy=%s): fewer torch_threads, so that each has a core, is "
                 "faster",
                 sum(self.config.cpu_engine_threads(cluster_gpus)),
                 num_cores,
-                "passively" if env else "spinning",
+                self._cpu_wait(env),
                 self.config.cpu_wait_policy,
             )
-        if not env:
-            return None
-        inherited = dict(ray.get_runtime_context().runtime_env)
-        return inherited | {"env_vars": env | dict(inherited.get("env_vars") or {})}
+        return env
 
-    def _with_runtime_env(self, options: dict[str, Any]) -> dict[str, Any]:
-        """An engine actor's `options` with the engines' runtime environment under the one
-        they name (their own variables win); its rank actors inherit it."""
-        if self.engine_runtime_env is None:
+    @staticmethod
+    def _cpu_wait(engine_env: dict[str, str]) -> str:
+        """How engines given `engine_env` on top of this replica's environment wait."""
+        policy = os.environ.get("OMP_WAIT_POLICY", engine_env.get("OMP_WAIT_POLICY", ""))
+        return "passive" if policy.upper() == "PASSIVE" else "active"
+
+    def _with_engine_env(self, options: dict[str, Any]) -> dict[str, Any]:
+        """An engine actor's `options` with the engines' variables in its runtime
+        environment (the options' own variables win; Ray merges the result with what the
+        actor inherits, and its rank actors inherit it in turn)."""
+        if not self.engine_env:
             return options
         own = dict(options.get("runtime_env") or {})
-        env_vars = self.engine_runtime_env["env_vars"] | dict(own.get("env_vars") or {})
-        return options | {"runtime_env": self.engine_runtime_env | own | {"env_vars": env_vars}}
+        env_vars = self.engine_env | dict(own.get("env_vars") or {})
+        return options | {"runtime_env": own | {"env_vars": env_vars}}
 
     def _engine_fields(self, engine: EngineConfig) -> dict[str, Any]:
         return engine.model_dump() | {"transfer_secret": self.transfer_secret}
@@ -172,16 +207,22 @@ class Coordinator:
             "router": self.router,
             "engines": live,
             "incarnations": {n: self.incarnations[n] for n in live},
+            "epoch": self.epoch,
             "model": self.model_info,
         }
 
-    async def mark_dead(self, name: str, incarnation: int | None = None) -> None:
+    async def mark_dead(
+        self, name: str, incarnation: int | None = None, epoch: str | None = None
+    ) -> None:
         """`name` failed (an ingress saw it die, or it failed a health check): stop routing
         to it, make sure its actors are gone, and restart it. A report about an incarnation
-        that has been restarted since is ignored."""
+        that has been restarted since, or about an engine of an earlier Coordinator (`epoch`
+        of the topology it came from), is ignored."""
         if name not in self.engines or name in self.dead:
             return
         if incarnation is not None and incarnation != self.incarnations[name]:
+            return
+        if epoch is not None and epoch != self.epoch:
             return
         self.dead.add(name)
         await self.router.remove_engine.remote(name)
@@ -263,6 +304,10 @@ class Coordinator:
     def engine_resources(self) -> dict[str, dict[str, Any]]:
         """What each engine got: its ranks and each rank's resources (benchmark records)."""
         return self.resources
+
+    def cpu_wait_policy(self) -> str:
+        """How the engines' CPU threads wait: "passive" or "active" (benchmark records)."""
+        return self._cpu_wait(self.engine_env)
 
     async def stats(self) -> dict[str, Any]:
         """Per-engine figures and the index size, for /metrics."""

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgpack
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from hybridserve.cluster.messages import FeedCall, FeedHello, FeedTicket, TokenBatch, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost
@@ -101,7 +101,7 @@ class EngineFeed:
     """Ingress side: this replica's connection to one engine actor (or to the router, which
     sends no events), opened on first use: its calls, and the queue of each request that
     waits for events from it. `on_death` is awaited once if the feed ends because the actor
-    is gone (not when only the connection broke, nor when the replica closes the feed)."""
+    is gone (not when only the connection broke, nor when the replica cancels its reader)."""
 
     def __init__(
         self,
@@ -237,16 +237,13 @@ class EngineFeed:
                         call.set_result(reply.value)
                     else:
                         call.set_exception(EngineCallFailed(f"engine {self.name}: {reply.error}"))
-        except RayActorError:
-            gone = True  # EngineDied to every open request
-        except Exception as exc:  # the connection, not necessarily the engine
+        except Exception as exc:  # the engine's death, or only the connection's
             if writer is not None:
                 writer.close()  # no call goes out while the engine is asked whether it lives
             self._writer = None
-            if await self._engine_alive():
-                self.lost = repr(exc)
-            else:
-                gone = True
+            gone = _actor_died(exc) or not await self._engine_alive()
+            if not gone:
+                self.lost = repr(exc)  # FeedLost, not EngineDied, to every open request
             logger.warning("engine %s: token feed to this replica failed: %r", self.name, exc)
         finally:
             if writer is not None:
@@ -272,8 +269,11 @@ class EngineFeed:
         answer in time counts as alive: the Coordinator's health checks judge wedged ones."""
         try:
             await asyncio.wait_for(self.handle.describe.remote(), LIVENESS_TIMEOUT_S)
-        except RayActorError:
-            return False
-        except Exception:
-            return True
+        except Exception as exc:
+            return not _actor_died(exc)
         return True
+
+
+def _actor_died(exc: BaseException) -> bool:
+    """Whether a Ray call's error says its actor is dead, not just unreachable for now."""
+    return isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError)

@@ -87,6 +87,13 @@ def test_engine_threads_wait_passively_where_they_outnumber_the_cores(fields, nu
     assert ServiceConfig(**fields).engine_env(num_cores, cluster_gpus=0) == env
 
 
+def test_an_engine_left_to_torch_counts_the_whole_cpus_ray_gives_it():
+    config = ServiceConfig(engine_actor_options={"num_cpus": 2.5})
+    assert config.cpu_engine_threads(cluster_gpus=0) == [2, 2]  # Ray's OMP_NUM_THREADS
+    tp = ServiceConfig(decode_engine={"tensor_parallel_size": 2}, rank_resources={"CPU": 0.5})
+    assert tp.cpu_engine_threads(cluster_gpus=0) == [1, 1, 1]
+
+
 def test_gpu_engines_threads_are_not_counted_against_the_cores():
     config = ServiceConfig(torch_threads=8, decode_engine={"device": "cpu"})
     assert config.cpu_engine_threads(cluster_gpus=2) == [8]  # the decode engine's alone

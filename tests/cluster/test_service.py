@@ -357,6 +357,11 @@ def test_zzz_the_killed_engine_is_restarted_and_serves_again(service):
     topology = service.topology()
     assert sorted(topology["incarnations"].values()) == [0, 0, 1]  # one restarted
     (restarted,) = [n for n, i in topology["incarnations"].items() if i == 1]
+    # Stale reports: about its earlier incarnation, or about an engine an earlier
+    # Coordinator started (whose incarnations counted from 0 as well).
+    service.coordinator.mark_dead.remote(restarted, 0).result()
+    service.coordinator.mark_dead.remote(restarted, 1, "an-earlier-coordinator").result()
+    assert service.topology()["incarnations"][restarted] == 1
     router = topology["router"]
     prompts = [[7 + i, *range(60, 100)] for i in range(4)]  # fresh: no engine holds them
     for prompt in prompts:  # no reuse anywhere: ties go round both decode engines

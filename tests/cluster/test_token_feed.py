@@ -10,7 +10,7 @@ import contextlib
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from hybridserve.cluster.feed_server import FeedServer
 from hybridserve.cluster.messages import (
@@ -40,6 +40,7 @@ class ScriptedEngine:
 
     def __init__(self, alive: bool = False) -> None:
         self.deaths_reported = 0
+        self.subscribe_error: Exception | None = None  # what `subscribe` raises, if anything
         self.script: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
         self.calls: asyncio.Queue[FeedCall] = asyncio.Queue()
         self.subscribe = self
@@ -49,6 +50,8 @@ class ScriptedEngine:
 
     async def remote(self, subscriber: str) -> dict[str, Any]:
         self.subscribers.append(subscriber)
+        if self.subscribe_error is not None:
+            raise self.subscribe_error
         server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return FeedTicket("127.0.0.1", server.sockets[0].getsockname()[1], "t-1").to_dict()
 
@@ -187,6 +190,58 @@ def test_an_idle_feed_reports_its_engine_s_death():
         await ended(feed)
         assert feed.dead and feed.lost is None
         assert engine.deaths_reported == 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_an_engine_dead_before_the_feed_opens_is_reported():
+    async def scenario() -> None:
+        feed, engine = scripted_feed()
+        engine.subscribe_error = ActorDiedError()
+        with pytest.raises(EngineDied, match="decode-0"):
+            await feed.open("a")
+        await ended(feed)
+        assert engine.deaths_reported == 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_an_engine_unreachable_for_now_is_not_reported_dead():
+    """Ray's ActorUnavailableError (a RayActorError) says the actor may come back: the
+    feed's requests end with FeedLost and nothing is reported."""
+
+    async def scenario() -> None:
+        feed, engine = scripted_feed(alive=True)
+        engine.subscribe_error = ActorUnavailableError("unreachable", None)
+        with pytest.raises(FeedLost, match="decode-0"):
+            await feed.open("a")
+        await ended(feed)
+        assert engine.deaths_reported == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_requests_end_before_the_death_is_reported():
+    """The report (a Ray call to the Coordinator) does not hold up the requests: they have
+    their EngineDied while it is still under way."""
+
+    async def scenario() -> None:
+        engine = ScriptedEngine()
+        engine.script.put_nowait(TokenBatch([]))
+        reporting, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_report() -> None:
+            reporting.set()
+            await release.wait()
+
+        feed = EngineFeed("decode-0", engine, slow_report)
+        queue = await feed.open("a")
+        engine.script.put_nowait(ConnectionResetError())
+        await reporting.wait()
+        with pytest.raises(EngineDied, match="decode-0"):
+            await anext(feed.events("a", queue))
+        release.set()
+        await ended(feed)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
