@@ -169,11 +169,11 @@ class Coordinator:
             for name, value in self.config.engine_env(num_cores, cluster_gpus).items()
             if name not in os.environ
         }
-        if self.config.oversubscribed(num_cores, cluster_gpus):
+        if self.config.teams_share_cores(num_cores, cluster_gpus):
             logger.warning(
-                "the CPU engines take %d threads on this node's %d cores; their threads wait "
-                "%s (cpu_wait_policy=%s): fewer torch_threads, so that each has a core, is "
-                "faster",
+                "the CPU engines take %d threads on this node's %d cores, in several teams; "
+                "their threads wait %s (cpu_wait_policy=%s): fewer torch_threads, so that "
+                "each has a core, is faster",
                 sum(self.config.cpu_engine_threads(cluster_gpus)),
                 num_cores,
                 self._cpu_wait(env),
