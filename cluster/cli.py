@@ -277,7 +277,7 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "active", "passive"],
         default="auto",
         help="how engines' idle CPU threads wait: spin (active) or sleep (passive); auto: "
-        "sleep where the engines' threads outnumber the cores (default: auto)",
+        "sleep where several engines' teams of threads outnumber the cores (default: auto)",
     )
     group.add_argument(
         "--stream-interval",
