@@ -194,29 +194,24 @@ def test_an_idle_feed_reports_its_engine_s_death():
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
-def test_an_engine_dead_before_the_feed_opens_is_reported():
+@pytest.mark.parametrize(
+    ("error", "alive", "raised", "num_reports"),
+    [
+        (ActorDiedError(), False, EngineDied, 1),
+        # The actor may come back (a RayActorError too): FeedLost, nothing reported.
+        (ActorUnavailableError("unreachable", None), True, FeedLost, 0),
+    ],
+)
+def test_a_failed_subscription_is_reported_only_if_the_actor_died(
+    error, alive, raised, num_reports
+):
     async def scenario() -> None:
-        feed, engine = scripted_feed()
-        engine.subscribe_error = ActorDiedError()
-        with pytest.raises(EngineDied, match="decode-0"):
+        feed, engine = scripted_feed(alive=alive)
+        engine.subscribe_error = error
+        with pytest.raises(raised, match="decode-0"):
             await feed.open("a")
         await ended(feed)
-        assert engine.deaths_reported == 1
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
-
-
-def test_an_engine_unreachable_for_now_is_not_reported_dead():
-    """Ray's ActorUnavailableError (a RayActorError) says the actor may come back: the
-    feed's requests end with FeedLost and nothing is reported."""
-
-    async def scenario() -> None:
-        feed, engine = scripted_feed(alive=True)
-        engine.subscribe_error = ActorUnavailableError("unreachable", None)
-        with pytest.raises(FeedLost, match="decode-0"):
-            await feed.open("a")
-        await ended(feed)
-        assert engine.deaths_reported == 0
+        assert engine.deaths_reported == num_reports
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
