@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -78,11 +79,14 @@ class ScriptedEngine:
         return call
 
 
-def scripted_feed(alive: bool = False) -> tuple[EngineFeed, ScriptedEngine]:
-    """A replica's feed from a scripted engine "decode-0", its first (empty) batch sent."""
+def scripted_feed(
+    alive: bool = False, on_death: Callable[[], Awaitable[None]] | None = None
+) -> tuple[EngineFeed, ScriptedEngine]:
+    """A replica's feed from a scripted engine "decode-0", its first (empty) batch sent; its
+    deaths are counted on the engine unless `on_death` takes them."""
     engine = ScriptedEngine(alive)
     engine.script.put_nowait(TokenBatch([]))
-    return EngineFeed("decode-0", engine, engine.report_death), engine
+    return EngineFeed("decode-0", engine, on_death or engine.report_death), engine
 
 
 async def ended(feed: EngineFeed) -> None:
@@ -221,15 +225,13 @@ def test_requests_end_before_the_death_is_reported():
     their EngineDied while it is still under way."""
 
     async def scenario() -> None:
-        engine = ScriptedEngine()
-        engine.script.put_nowait(TokenBatch([]))
         reporting, release = asyncio.Event(), asyncio.Event()
 
         async def slow_report() -> None:
             reporting.set()
             await release.wait()
 
-        feed = EngineFeed("decode-0", engine, slow_report)
+        feed, engine = scripted_feed(on_death=slow_report)
         queue = await feed.open("a")
         engine.script.put_nowait(ConnectionResetError())
         await reporting.wait()
