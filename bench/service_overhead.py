@@ -305,7 +305,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--cpu-wait-policy",
-        choices=["auto", "active", "passive"],
+        choices=["auto", "active", "brief", "passive"],
         default="auto",
         help="the service's cpu_wait_policy (default: auto)",
     )

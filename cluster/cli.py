@@ -274,10 +274,11 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--torch-threads", type=int, help="CPU threads per engine")
     group.add_argument(
         "--cpu-wait-policy",
-        choices=["auto", "active", "passive"],
+        choices=["auto", "active", "brief", "passive"],
         default="auto",
-        help="how engines' idle CPU threads wait: spin (active) or sleep (passive); auto: "
-        "sleep where several engines' teams of threads outnumber the cores (default: auto)",
+        help="how engines' idle CPU threads wait: spin (active), sleep (passive), or spin "
+        "a few tens of microseconds, then sleep (brief); auto: brief where several engines' "
+        "teams of threads outnumber the cores, else active (default: auto)",
     )
     group.add_argument(
         "--stream-interval",

@@ -7,6 +7,7 @@ RayService `serveConfigV2`) and what `hybridserve serve` builds from its flags.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,20 @@ from hybridserve.workers.config import EngineConfig
 
 API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"
 Role = Literal["prefill", "decode", "colocated"]
+# libgomp (torch's OpenMP on Linux) spins this many times (a `pause` each, ~12 ns on the
+# benchmark VM: ~25 us) before a waiting thread sleeps, where cpu_wait_policy is "brief". The
+# gap between a step's parallel regions is a few microseconds of Python and dispatch; the
+# other engine's work on a shared core lasts milliseconds. Its default, 300000, spans both.
+BRIEF_SPIN_COUNT = 2000
+# The variables that set how OpenMP threads wait: an operator who set either has chosen.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def cpu_wait(env: Mapping[str, str]) -> str:
+    """How OpenMP threads started with `env` wait: "passive", "brief" or "active"."""
+    if env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return "passive"
+    return "brief" if "GOMP_SPINCOUNT" in env else "active"
 
 
 class ServiceConfig(BaseModel):
@@ -71,14 +86,15 @@ class ServiceConfig(BaseModel):
         "'decode': 1}; a role left out gets torch's choice, which in an engine actor is Ray's "
         "OMP_NUM_THREADS: the actor's whole CPUs, at least 1); default: torch's choice",
     )
-    cpu_wait_policy: Literal["auto", "active", "passive"] = Field(
+    cpu_wait_policy: Literal["auto", "active", "brief", "passive"] = Field(
         "auto",
-        description="how an engine's idle CPU threads wait for their next parallel region "
-        "(OMP_WAIT_POLICY): 'active' spins (fastest while each thread has a core of its "
-        "own), 'passive' sleeps (needed where engines' threads outnumber the cores: spinning "
-        "threads then hold the cores the working ones wait for); 'auto': passive exactly "
-        "where two or more engine ranks run several threads each and the CPU engines' "
-        "threads outnumber the cores of the Coordinator's node",
+        description="how an engine's idle CPU threads wait for their next parallel region: "
+        "'active' spins (OpenMP's default: fastest while each thread has a core of its own), "
+        "'passive' sleeps at once (OMP_WAIT_POLICY=PASSIVE), 'brief' spins a few tens of "
+        "microseconds, then sleeps (GOMP_SPINCOUNT): long enough for the gap between a "
+        "step's parallel regions, too short to hold a core another engine's threads need; "
+        "'auto': brief exactly where two or more engine ranks run several threads each and "
+        "the CPU engines' threads outnumber the cores of the Coordinator's node, else active",
     )
     stream_interval: int = Field(
         1,
@@ -205,17 +221,27 @@ class ServiceConfig(BaseModel):
         threads = self.cpu_engine_threads(cluster_gpus)
         return sum(threads) > num_cores and sum(count > 1 for count in threads) >= 2
 
-    def engine_env(self, num_cores: int, cluster_gpus: float) -> dict[str, str]:
+    def engine_env(
+        self, num_cores: int, cluster_gpus: float, inherited: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
         """Environment variables of the engine actors (and their ranks) where `num_cores`
-        cores take every engine: OMP_WAIT_POLICY=PASSIVE where their threads wait passively
-        (`cpu_wait_policy`). Measured on 2 cores, 1 prefill + 1 decode engine of 2 threads
-        each, 32 streams without pause: 162 output tok/s spinning, 457 sleeping. With one
-        team (prefill 2 threads, decode 1) spinning costs little (427 against 464) and
-        sleeping costs the prompt's step a wake-up per parallel region (TTFT +17 ms)."""
-        passive = self.cpu_wait_policy == "passive" or (
-            self.cpu_wait_policy == "auto" and self.teams_share_cores(num_cores, cluster_gpus)
-        )
-        return {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}
+        cores take every engine and they inherit `inherited`: how their threads wait
+        (`cpu_wait_policy`), unless `inherited` says so already (an operator's choice). On 2
+        cores, 1 prefill + 1 decode engine of 2 threads each, 32 streams without pause: 162
+        output tok/s spinning, 457 sleeping, 445 spinning briefly; a lone stream's first
+        token came 7 ms after the offline engine's spinning, 29 ms sleeping, 16 ms briefly.
+        With one team (prefill 2 threads, decode 1) spinning costs little (427 against 464
+        tok/s sleeping), so `auto` leaves it spinning."""
+        if any(name in (inherited or {}) for name in WAIT_VARIABLES):
+            return {}
+        policy = self.cpu_wait_policy
+        if policy == "auto":
+            policy = "brief" if self.teams_share_cores(num_cores, cluster_gpus) else "active"
+        if policy == "passive":
+            return {"OMP_WAIT_POLICY": "PASSIVE"}
+        if policy == "brief":
+            return {"GOMP_SPINCOUNT": str(BRIEF_SPIN_COUNT)}
+        return {}
 
     def on_gpu(self, role: Role, cluster_gpus: float) -> bool:
         """Whether `role`'s engines run on GPUs on a cluster with `cluster_gpus` in all."""

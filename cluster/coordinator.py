@@ -34,7 +34,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridserve.cluster.actors import EngineActor, RouterActor
-from hybridserve.cluster.config import ServiceConfig
+from hybridserve.cluster.config import ServiceConfig, cpu_wait
 from hybridserve.cluster.ray_executor import bundle_options
 from hybridserve.transceiver.auth import new_secret
 from hybridserve.workers import EngineConfig
@@ -160,15 +160,10 @@ class Coordinator:
     def _engine_env(self) -> dict[str, str]:
         """The variables the engines get on top of what they inherit from this replica (the
         node's environment and the application's runtime environment): `engine_env` for
-        this node, less any variable set here already, so that an operator's choice stays.
-        OpenMP reads them once, as a process starts."""
+        this node and this environment. OpenMP reads them once, as a process starts."""
         num_cores = node_cores()
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
-        env = {
-            name: value
-            for name, value in self.config.engine_env(num_cores, cluster_gpus).items()
-            if name not in os.environ
-        }
+        env = self.config.engine_env(num_cores, cluster_gpus, os.environ)
         if self.config.teams_share_cores(num_cores, cluster_gpus):
             logger.warning(
                 "the CPU engines take %d threads on this node's %d cores, in several teams; "
@@ -176,16 +171,10 @@ class Coordinator:
                 "each has a core, is faster",
                 sum(self.config.cpu_engine_threads(cluster_gpus)),
                 num_cores,
-                self._cpu_wait(env),
+                cpu_wait(os.environ | env),
                 self.config.cpu_wait_policy,
             )
         return env
-
-    @staticmethod
-    def _cpu_wait(engine_env: dict[str, str]) -> str:
-        """How engines given `engine_env` on top of this replica's environment wait."""
-        policy = os.environ.get("OMP_WAIT_POLICY", engine_env.get("OMP_WAIT_POLICY", ""))
-        return "passive" if policy.upper() == "PASSIVE" else "active"
 
     def _with_engine_env(self, options: dict[str, Any]) -> dict[str, Any]:
         """An engine actor's `options` with the engines' variables in its runtime
@@ -306,8 +295,9 @@ class Coordinator:
         return self.resources
 
     def cpu_wait_policy(self) -> str:
-        """How the engines' CPU threads wait: "passive" or "active" (benchmark records)."""
-        return self._cpu_wait(self.engine_env)
+        """How the engines' CPU threads wait: "passive", "brief" or "active" (benchmark
+        records)."""
+        return cpu_wait(os.environ | self.engine_env)
 
     async def stats(self) -> dict[str, Any]:
         """Per-engine figures and the index size, for /metrics."""

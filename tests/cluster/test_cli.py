@@ -113,10 +113,10 @@ def test_serve_flags_become_the_service_config():
     from hybridserve.cluster.cli import build_parser, service_config
 
     argv = ["serve", "--num-prefill", "0", "--torch-threads", "2", "--stream-interval", "4"]
-    argv += ["--cpu-wait-policy", "passive"]
+    argv += ["--cpu-wait-policy", "brief"]
     config = service_config(build_parser().parse_args(argv))
     assert (config["num_prefill"], config["torch_threads"], config["stream_interval"]) == (0, 2, 4)
-    assert config["cpu_wait_policy"] == "passive"
+    assert config["cpu_wait_policy"] == "brief"
     defaults = service_config(build_parser().parse_args(["serve"]))
     assert (defaults["stream_interval"], defaults["cpu_wait_policy"]) == (1, "auto")
     with pytest.raises(ValidationError, match="stream_interval"):

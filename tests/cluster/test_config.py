@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from hybridserve.cluster.config import ServiceConfig
+from hybridserve.cluster.config import ServiceConfig, cpu_wait
 
 TP_ROLES = {"prefill_engine": {"tensor_parallel_size": 2}, "num_decode": 2}
 
@@ -66,26 +66,53 @@ def test_threads_apply_to_every_role_or_per_role():
 
 
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+BRIEF = {"GOMP_SPINCOUNT": "2000"}
 
 
 @pytest.mark.parametrize(
     ("fields", "num_cores", "env"),
     [
         # 1 prefill + 1 decode engine of 2 threads on 2 cores: they spin on each other's cores.
-        ({"torch_threads": 2}, 2, PASSIVE),
+        ({"torch_threads": 2}, 2, BRIEF),
         # One team beside a lone thread: libgomp's spinning costs little there.
         ({"torch_threads": {"prefill": 2, "decode": 1}}, 2, {}),
         ({"torch_threads": 2}, 4, {}),  # a core for every thread
         ({"torch_threads": 1, "num_decode": 3}, 2, {}),  # no teams of threads: nothing spins
         ({}, 1, {}),  # torch's choice in an actor without CPUs: 1 thread each
         ({"num_prefill": 0, "torch_threads": 2}, 2, {}),  # colocated: one engine, its cores
-        ({"torch_threads": 2, "decode_engine": {"tensor_parallel_size": 2}}, 4, PASSIVE),
+        ({"torch_threads": 2, "decode_engine": {"tensor_parallel_size": 2}}, 4, BRIEF),
         ({"torch_threads": 2, "cpu_wait_policy": "active"}, 2, {}),
         ({"torch_threads": 1, "cpu_wait_policy": "passive"}, 64, PASSIVE),
+        ({"torch_threads": 1, "cpu_wait_policy": "brief"}, 64, BRIEF),
+        ({"torch_threads": 2, "cpu_wait_policy": "passive"}, 2, PASSIVE),
     ],
 )
-def test_engine_threads_wait_passively_where_teams_share_the_cores(fields, num_cores, env):
+def test_engine_threads_spin_briefly_where_teams_share_the_cores(fields, num_cores, env):
     assert ServiceConfig(**fields).engine_env(num_cores, cluster_gpus=0) == env
+
+
+@pytest.mark.parametrize("inherited", [{"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "0"}])
+def test_a_wait_the_engines_inherit_is_the_operators_choice(inherited):
+    for policy in ("auto", "brief", "passive"):
+        config = ServiceConfig(torch_threads=2, cpu_wait_policy=policy)
+        assert config.engine_env(2, cluster_gpus=0, inherited=inherited) == {}
+    unrelated = {"OMP_NUM_THREADS": "2"}
+    assert ServiceConfig(torch_threads=2).engine_env(2, 0, inherited=unrelated) == BRIEF
+
+
+@pytest.mark.parametrize(
+    ("env", "wait"),
+    [
+        ({}, "active"),
+        (PASSIVE, "passive"),
+        ({"OMP_WAIT_POLICY": "passive"}, "passive"),  # OpenMP reads it in any case
+        (BRIEF, "brief"),
+        ({**BRIEF, **PASSIVE}, "passive"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "active"),
+    ],
+)
+def test_the_wait_is_read_from_the_engines_environment(env, wait):
+    assert cpu_wait(env) == wait
 
 
 def test_an_engine_left_to_torch_counts_the_whole_cpus_ray_gives_it():
@@ -99,7 +126,7 @@ def test_gpu_engines_threads_are_not_counted_against_the_cores():
     config = ServiceConfig(torch_threads=8, num_decode=2, decode_engine={"device": "cpu"})
     assert config.cpu_engine_threads(cluster_gpus=2) == [8, 8]  # the decode engines' alone
     assert config.engine_env(16, cluster_gpus=2) == {}
-    assert config.engine_env(15, cluster_gpus=2) == PASSIVE
+    assert config.engine_env(15, cluster_gpus=2) == BRIEF
 
 
 @pytest.mark.parametrize(
