@@ -19,9 +19,9 @@ from hybridserve.workers.config import EngineConfig
 API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"
 Role = Literal["prefill", "decode", "colocated"]
 # libgomp (torch's OpenMP on Linux) spins this many times (a `pause` each, ~12 ns on the
-# benchmark VM: ~25 us) before a waiting thread sleeps, where cpu_wait_policy is "brief". The
-# gap between a step's parallel regions is a few microseconds of Python and dispatch; the
-# other engine's work on a shared core lasts milliseconds. Its default, 300000, spans both.
+# benchmark VM: ~25 us) before a waiting thread sleeps, where cpu_wait_policy is "brief". Most
+# gaps between a step's parallel regions are microseconds of Python and dispatch; the other
+# engine's work on a shared core lasts milliseconds. Its default, 300000, spans both.
 BRIEF_SPIN_COUNT = 2000
 # The variables that set how OpenMP threads wait: an operator who set either has chosen.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -227,11 +227,11 @@ class ServiceConfig(BaseModel):
         """Environment variables of the engine actors (and their ranks) where `num_cores`
         cores take every engine and they inherit `inherited`: how their threads wait
         (`cpu_wait_policy`), unless `inherited` says so already (an operator's choice). On 2
-        cores, 1 prefill + 1 decode engine of 2 threads each, 32 streams without pause: 162
-        output tok/s spinning, 457 sleeping, 445 spinning briefly; a lone stream's first
-        token came 7 ms after the offline engine's spinning, 29 ms sleeping, 16 ms briefly.
-        With one team (prefill 2 threads, decode 1) spinning costs little (427 against 464
-        tok/s sleeping), so `auto` leaves it spinning."""
+        cores, 1 prefill + 1 decode engine of 2 threads each: 32 streams without pause got
+        26% of the offline engine's output tok/s spinning, 56% sleeping, 53% spinning
+        briefly; a lone stream's first token came 10, 28 and 18 ms after the offline
+        engine's. With one team (prefill 2 threads, decode 1) spinning costs little (427
+        against 464 tok/s sleeping), so `auto` leaves it spinning."""
         if any(name in (inherited or {}) for name in WAIT_VARIABLES):
             return {}
         policy = self.cpu_wait_policy
