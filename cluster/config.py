@@ -25,13 +25,36 @@ Role = Literal["prefill", "decode", "colocated"]
 BRIEF_SPIN_COUNT = 2000
 # The variables that set how OpenMP threads wait: an operator who set either has chosen.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# What each cpu_wait_policy puts in the engines' environment ("active": OpenMP's default).
+WAIT_ENV = {
+    "active": {},
+    "brief": {"GOMP_SPINCOUNT": str(BRIEF_SPIN_COUNT)},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+LIBGOMP_DEFAULT_SPIN_COUNT = 300_000
+SPIN_COUNT_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 def cpu_wait(env: Mapping[str, str]) -> str:
-    """How OpenMP threads started with `env` wait: "passive", "brief" or "active"."""
-    if env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-        return "passive"
-    return "brief" if "GOMP_SPINCOUNT" in env else "active"
+    """How OpenMP threads started with `env` wait: "passive", "brief" or "active". A
+    GOMP_SPINCOUNT that libgomp can read sets the spin whatever OMP_WAIT_POLICY says."""
+    spins = _spin_count(env.get("GOMP_SPINCOUNT", ""))
+    if spins is not None:
+        if spins == 0:
+            return "passive"
+        return "brief" if spins < LIBGOMP_DEFAULT_SPIN_COUNT else "active"
+    return "passive" if env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE" else "active"
+
+
+def _spin_count(text: str) -> float | None:
+    """GOMP_SPINCOUNT as libgomp reads it (a count with an optional k, M, G or T, or
+    "infinite"), or None where it is unset or unreadable (libgomp ignores it then)."""
+    text = text.strip().lower()
+    if text in ("infinite", "infinity"):
+        return float("inf")
+    multiplier = SPIN_COUNT_UNITS.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in SPIN_COUNT_UNITS else text
+    return int(digits) * multiplier if digits.isdigit() else None
 
 
 class ServiceConfig(BaseModel):
@@ -216,8 +239,8 @@ class ServiceConfig(BaseModel):
     def teams_share_cores(self, num_cores: int, cluster_gpus: float) -> bool:
         """Whether CPU engine ranks with teams of threads (more than one each) are two or
         more, and the CPU engines' threads together outnumber `num_cores`. Each team's waits
-        would then spin on cores another's threads need: libgomp stops spinning only where
-        its own process holds more threads than cores."""
+        would then spin on cores another's threads need: libgomp cuts its spin short only
+        where its own process holds more threads than cores."""
         threads = self.cpu_engine_threads(cluster_gpus)
         return sum(threads) > num_cores and sum(count > 1 for count in threads) >= 2
 
@@ -232,16 +255,18 @@ class ServiceConfig(BaseModel):
         briefly; a lone stream's first token came 10, 28 and 18 ms after the offline
         engine's. With one team (prefill 2 threads, decode 1) spinning costs little (427
         against 464 tok/s sleeping), so `auto` leaves it spinning."""
-        if any(name in (inherited or {}) for name in WAIT_VARIABLES):
+        if any((inherited or {}).get(name) for name in WAIT_VARIABLES):
             return {}
         policy = self.cpu_wait_policy
         if policy == "auto":
             policy = "brief" if self.teams_share_cores(num_cores, cluster_gpus) else "active"
-        if policy == "passive":
-            return {"OMP_WAIT_POLICY": "PASSIVE"}
-        if policy == "brief":
-            return {"GOMP_SPINCOUNT": str(BRIEF_SPIN_COUNT)}
-        return {}
+        return dict(WAIT_ENV[policy])
+
+    def inherited_env(self, node_env: Mapping[str, str]) -> dict[str, str]:
+        """What an engine actor's environment holds before the Coordinator adds to it: the
+        node's (`node_env`, the Coordinator's own), then `engine_actor_options`' variables."""
+        options = self.engine_actor_options or {}
+        return dict(node_env) | dict((options.get("runtime_env") or {}).get("env_vars") or {})
 
     def on_gpu(self, role: Role, cluster_gpus: float) -> bool:
         """Whether `role`'s engines run on GPUs on a cluster with `cluster_gpus` in all."""

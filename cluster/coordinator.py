@@ -160,18 +160,21 @@ class Coordinator:
     def _engine_env(self) -> dict[str, str]:
         """The variables the engines get on top of what they inherit from this replica (the
         node's environment and the application's runtime environment): `engine_env` for
-        this node and this environment. OpenMP reads them once, as a process starts."""
+        this node and what the engines inherit (also sets `cpu_wait`, how their threads
+        wait). OpenMP reads them once, as a process starts."""
         num_cores = node_cores()
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
-        env = self.config.engine_env(num_cores, cluster_gpus, os.environ)
+        inherited = self.config.inherited_env(os.environ)
+        env = self.config.engine_env(num_cores, cluster_gpus, inherited)
+        self.cpu_wait = cpu_wait(inherited | env)
         if self.config.teams_share_cores(num_cores, cluster_gpus):
             logger.warning(
                 "the CPU engines take %d threads on this node's %d cores, in several teams; "
-                "their threads wait %s (cpu_wait_policy=%s): fewer torch_threads, so that "
+                "their threads wait: %s (cpu_wait_policy=%s); fewer torch_threads, so that "
                 "each has a core, is faster",
                 sum(self.config.cpu_engine_threads(cluster_gpus)),
                 num_cores,
-                cpu_wait(os.environ | env),
+                self.cpu_wait,
                 self.config.cpu_wait_policy,
             )
         return env
@@ -297,7 +300,7 @@ class Coordinator:
     def cpu_wait_policy(self) -> str:
         """How the engines' CPU threads wait: "passive", "brief" or "active" (benchmark
         records)."""
-        return cpu_wait(os.environ | self.engine_env)
+        return self.cpu_wait
 
     async def stats(self) -> dict[str, Any]:
         """Per-engine figures and the index size, for /metrics."""

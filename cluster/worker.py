@@ -92,8 +92,8 @@ class EngineWorker:
         self._last_audit = time.monotonic()
         # The engine is built on the thread that steps it. Each thread that runs a torch
         # parallel region gets an OpenMP team of its own, and once a process has more
-        # OpenMP threads than CPUs, libgomp has idle team members sleep at once instead of
-        # spinning: every parallel region then waits for a wake-up. Building the model here
+        # OpenMP threads than CPUs, libgomp has idle team members sleep after 100 spins
+        # instead of 300000: every parallel region then waits for a wake-up. Building the model here
         # and stepping it there gave two teams and a 1.6x slower decode step on 2 cores.
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(

@@ -43,7 +43,7 @@ TP_SERVICE = {
     "decode_engine": {"tensor_parallel_size": 2},
     "rank_resources": {"CPU": 0.5},
     "torch_threads": 1,
-    "cpu_wait_policy": "passive",  # reaches every engine process, rank actors included
+    "cpu_wait_policy": "brief",  # reaches every engine process, rank actors included
     "transfer_timeout_s": 10.0,
     "router": {"decode_prefill_threshold": 8},
 }

@@ -96,8 +96,16 @@ def test_a_wait_the_engines_inherit_is_the_operators_choice(inherited):
     for policy in ("auto", "brief", "passive"):
         config = ServiceConfig(torch_threads=2, cpu_wait_policy=policy)
         assert config.engine_env(2, cluster_gpus=0, inherited=inherited) == {}
-    unrelated = {"OMP_NUM_THREADS": "2"}
-    assert ServiceConfig(torch_threads=2).engine_env(2, 0, inherited=unrelated) == BRIEF
+    for unrelated in ({"OMP_NUM_THREADS": "2"}, {"GOMP_SPINCOUNT": ""}):  # libgomp ignores ""
+        assert ServiceConfig(torch_threads=2).engine_env(2, 0, inherited=unrelated) == BRIEF
+
+
+def test_engines_inherit_the_nodes_variables_then_their_actor_options():
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    config = ServiceConfig(engine_actor_options=options)
+    inherited = config.inherited_env({"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"})
+    assert inherited == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"}
+    assert ServiceConfig().inherited_env({"PATH": "/bin"}) == {"PATH": "/bin"}
 
 
 @pytest.mark.parametrize(
@@ -105,10 +113,16 @@ def test_a_wait_the_engines_inherit_is_the_operators_choice(inherited):
     [
         ({}, "active"),
         (PASSIVE, "passive"),
-        ({"OMP_WAIT_POLICY": "passive"}, "passive"),  # OpenMP reads it in any case
-        (BRIEF, "brief"),
-        ({**BRIEF, **PASSIVE}, "passive"),
+        ({"OMP_WAIT_POLICY": " passive"}, "passive"),  # OpenMP reads it in any case
         ({"OMP_WAIT_POLICY": "ACTIVE"}, "active"),
+        (BRIEF, "brief"),
+        # libgomp: a spin count it can read wins over the policy
+        ({**BRIEF, **PASSIVE}, "brief"),
+        ({"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE"}, "passive"),
+        ({"GOMP_SPINCOUNT": "20k"}, "brief"),
+        ({"GOMP_SPINCOUNT": "300k"}, "active"),  # libgomp's own default
+        ({"GOMP_SPINCOUNT": "infinite"}, "active"),
+        ({"GOMP_SPINCOUNT": "lots", **PASSIVE}, "passive"),  # unreadable: ignored
     ],
 )
 def test_the_wait_is_read_from_the_engines_environment(env, wait):

@@ -46,16 +46,17 @@ def test_each_engine_runs_on_its_own_placement_group_of_rank_actors(tp_service):
 
 
 def test_every_engine_process_gets_the_wait_policy(tp_service):
-    """cpu_wait_policy "passive": OpenMP reads OMP_WAIT_POLICY as a process starts, so the
+    """cpu_wait_policy "brief": OpenMP reads GOMP_SPINCOUNT as a process starts, so the
     Coordinator puts it in the engines' runtime environment, which their ranks inherit."""
     engines = tp_service.engines()
     processes = [*engines.values(), *ray.get(engines["decode-0"].rank_actors.remote())]
-    policies = ray.get([p.__ray_call__.remote(_wait_policy) for p in processes])
-    assert policies == ["PASSIVE"] * len(processes)
+    waits = ray.get([p.__ray_call__.remote(_wait_variables) for p in processes])
+    assert waits == [(None, "2000")] * len(processes)
+    assert tp_service.coordinator.cpu_wait_policy.remote().result() == "brief"
 
 
-def _wait_policy(_actor: object) -> str | None:
-    return os.environ.get("OMP_WAIT_POLICY")
+def _wait_variables(_actor: object) -> tuple[str | None, str | None]:
+    return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
 
 
 def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
