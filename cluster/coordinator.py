@@ -94,7 +94,7 @@ class Coordinator:
         # Which Coordinator this is: when Serve restarts it, its engines (and their
         # incarnation numbers) start afresh, and reports about the old ones must not match.
         self.epoch = uuid.uuid4().hex
-        self.engine_env = self._engine_env()
+        self._choose_engine_env()
         self.engines = {
             name: self._start_engine(name, self.config.engine_config(role))
             for name, role in names.items()
@@ -157,16 +157,16 @@ class Coordinator:
             name, self._engine_fields(engine), self.router, **kwargs
         )
 
-    def _engine_env(self) -> dict[str, str]:
-        """The variables the engines get on top of what they inherit from this replica (the
-        node's environment and the application's runtime environment): `engine_env` for
-        this node and what the engines inherit (also sets `cpu_wait`, how their threads
-        wait). OpenMP reads them once, as a process starts."""
+    def _choose_engine_env(self) -> None:
+        """Set `engine_env`, the variables the engines get on top of what they inherit (the
+        node's environment, the application's runtime environment, `engine_actor_options`),
+        for this node; and `engine_wait`, how their threads wait then. OpenMP reads these
+        variables once, as a process starts."""
         num_cores = node_cores()
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         inherited = self.config.inherited_env(os.environ)
-        env = self.config.engine_env(num_cores, cluster_gpus, inherited)
-        self.cpu_wait = cpu_wait(inherited | env)
+        self.engine_env = self.config.engine_env(num_cores, cluster_gpus, inherited)
+        self.engine_wait = cpu_wait(inherited | self.engine_env)
         if self.config.teams_share_cores(num_cores, cluster_gpus):
             logger.warning(
                 "the CPU engines take %d threads on this node's %d cores, in several teams; "
@@ -174,10 +174,9 @@ class Coordinator:
                 "each has a core, is faster",
                 sum(self.config.cpu_engine_threads(cluster_gpus)),
                 num_cores,
-                self.cpu_wait,
+                self.engine_wait,
                 self.config.cpu_wait_policy,
             )
-        return env
 
     def _with_engine_env(self, options: dict[str, Any]) -> dict[str, Any]:
         """An engine actor's `options` with the engines' variables in its runtime
@@ -300,7 +299,7 @@ class Coordinator:
     def cpu_wait_policy(self) -> str:
         """How the engines' CPU threads wait: "passive", "brief" or "active" (benchmark
         records)."""
-        return self.cpu_wait
+        return self.engine_wait
 
     async def stats(self) -> dict[str, Any]:
         """Per-engine figures and the index size, for /metrics."""
