@@ -92,10 +92,9 @@ class EngineWorker:
         self._last_audit = time.monotonic()
         # The engine is built on the thread that steps it. Each thread that runs a torch
         # parallel region gets an OpenMP team of its own, and once a process has more
-        # OpenMP threads than CPUs, libgomp has idle team members sleep after 100 spins
-        # instead of 300000: every parallel region then waits for a wake-up. Building the
-        # model here and stepping it there gave two teams and a 1.6x slower decode step on
-        # 2 cores.
+        # OpenMP threads than CPUs, libgomp has idle team members sleep after 100 spins, not
+        # 300000: every parallel region waits for a wake-up. Building the model here and
+        # stepping it there gave two teams and a 1.6x slower decode step on 2 cores.
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(engine_config, built), name=f"{name}-step", daemon=True
