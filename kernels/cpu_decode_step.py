@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from hybridserve.kernels import c_library, cpu_attention, cpu_state_update
+from hybridserve.kernels import c_library, cpu_attention, cpu_gemm, cpu_state_update
 from hybridserve.kernels.dispatch import BACKEND_ENV
 
 STEP_SOURCE = r"""
@@ -84,13 +84,6 @@ typedef struct {
     int64_t width;
     const int64_t *slots;    /* (rows,) Mamba slots */
 } Step;
-
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-    return acc;
-}
 
 static inline float row(const Linear *l, int64_t o, const float *x) {
     return dot(l->weight + o * l->cols, x, l->cols) + (l->bias ? l->bias[o] : 0.0f);
@@ -298,7 +291,7 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
 }
 """
 
-SOURCE = cpu_state_update.SOURCE + cpu_attention.SOURCE + STEP_SOURCE
+SOURCE = cpu_state_update.SOURCE + cpu_attention.SOURCE + cpu_gemm.DOT_SOURCE + STEP_SOURCE
 
 KIND_MAMBA, KIND_ATTENTION, KIND_MLP = 0, 1, 2
 ACTIVATIONS = {None: 0, "silu": 1, "relu2": 2, "gelu": 3}
