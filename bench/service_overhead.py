@@ -18,9 +18,13 @@ at the ingress replica's own address when Serve runs with direct ingress (cluste
 else through Serve's proxy. Each service shape is measured alternately with the offline
 engine, request by request and batch by batch, and its ratios (service / offline) are taken
 against those offline figures. The service runs once per `--torch-threads` value (CPU threads
-per engine; default 1 and 2): offline, the engine has the machine to itself, while a served
-engine shares it with the HTTP path (ingress, the client), and on a small machine an engine
-that takes every core slows that path more than it gains. Each shape's last run is repeated
+per engine; default 1 and 2). The offline engine runs with as many threads as the run's
+largest engine (`--offline-threads N`: that many for every run, e.g. every core): the ratios
+then compare one engine's speed served and offline, and the engines of a 1P1D deployment each
+on cores of its own (where the machine has them) against one engine on its cores, as two GPUs
+against one. A served engine shares its cores with the HTTP path (ingress, the client), and on
+a small machine an engine that takes every core slows that path more than it gains. Each
+shape's last run is repeated
 with `--stream-interval` tokens per streamed chunk (the service's `stream_interval`): the
 path's CPU per token, which competes with the engine for the same cores, goes down by about
 that factor.
@@ -33,6 +37,8 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ import torch
 from common import build_checkpoint, machine, write_result
 
 from hybridserve.cluster import local
+from hybridserve.kernels import c_library
 from hybridserve.workers import LLM, SamplingParams
 
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
@@ -197,6 +204,21 @@ class SideBySide:
     service: dict[str, float]
     entry: str  # "direct ingress" or "Serve proxy"
     cpu_wait_policy: str  # how the service's engines' threads waited (the Coordinator's choice)
+    offline_threads: int
+
+
+@contextmanager
+def engine_threads(count: int) -> Iterator[int]:
+    """Run this thread's offline engine on `count` threads: torch's and OpenMP's count for
+    the native C kernels (c_library.follow_torch_threads), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    c_library.follow_torch_threads()
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+        c_library.follow_torch_threads()
 
 
 def side_by_side(
@@ -208,12 +230,13 @@ def side_by_side(
     rounds: int,
     sustained_requests: int,
     cpu_wait_policy: str,
+    offline_threads: int,
     seed: int,
 ) -> SideBySide:
-    """The service and the offline engine, measured alternately (request by request, then
-    batch by batch, twice): this machine's speed drifts by tens of percent over minutes, and
-    alternating puts both sides in the same phase. Prompts are fresh for every measurement
-    (`seed`), so neither side finds them cached."""
+    """The service and the offline engine (on `offline_threads` threads), measured
+    alternately (request by request, then batch by batch, twice): this machine's speed drifts
+    by tens of percent over minutes, and alternating puts both sides in the same phase. Prompts
+    are fresh for every measurement (`seed`), so neither side finds them cached."""
     import openai
 
     model = "bench"
@@ -234,7 +257,7 @@ def side_by_side(
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
         offline, service = Figures(), Figures()
         warm_up, *latency = prompts(1 + rounds, LATENCY_PROMPT, LATENCY_OUTPUT, seed)
-        with asyncio.Runner() as runner:
+        with asyncio.Runner() as runner, engine_threads(offline_threads) as threads:
             try:
                 offline_latency(llm, warm_up)
                 runner.run(stream(client, model, warm_up))
@@ -264,7 +287,7 @@ def side_by_side(
     finally:
         local.shutdown()
     entry = "direct ingress" if direct_url else "Serve proxy"
-    return SideBySide(offline.summary(), service.summary(), entry, waited)
+    return SideBySide(offline.summary(), service.summary(), entry, waited, threads)
 
 
 async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
@@ -279,6 +302,11 @@ async def _sustained(client: Any, model: str, streams: list[list[Prompt]]) -> No
     await asyncio.gather(*(one(queue) for queue in streams))
 
 
+def largest_engine(torch_threads: int | dict[str, int]) -> int:
+    """The most threads any engine of a run has (`torch_threads` as ServiceConfig takes it)."""
+    return torch_threads if isinstance(torch_threads, int) else max(torch_threads.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
@@ -289,7 +317,14 @@ def main() -> None:
         nargs="+",
         default=[1, 2],
         help="CPU threads per engine of the service, one run each, and with two values one "
-        "more 1P1D run (prefill the most, decode the fewest); offline uses torch's default",
+        "more 1P1D run (prefill the most, decode the fewest)",
+    )
+    parser.add_argument(
+        "--offline-threads",
+        type=int,
+        default=None,
+        help="threads of the offline engine in every run (default: those of the run's "
+        "largest engine)",
     )
     parser.add_argument(
         "--stream-interval",
@@ -348,6 +383,7 @@ def main() -> None:
                     args.rounds,
                     args.sustained_requests,
                     args.cpu_wait_policy,
+                    args.offline_threads or largest_engine(threads),
                     seed,
                 )
                 offline, service = run.offline, run.service
@@ -360,6 +396,7 @@ def main() -> None:
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
                     "cpu_wait_policy": run.cpu_wait_policy,
+                    "offline_threads": run.offline_threads,
                     "throughput_ratio": service["output_tokens_per_s"]
                     / offline["output_tokens_per_s"],
                     "sustained_throughput_ratio": service["sustained_output_tokens_per_s"]
@@ -379,7 +416,8 @@ def main() -> None:
             f"{srv['sustained_output_tokens_per_s']:>5.0f}   "
             f"TTFT {row['ttft_added_ms']:+.1f} ms, ITL {row['itl_ratio']:.2f}x, "
             f"tok/s {row['throughput_ratio']:.0%} / {row['sustained_throughput_ratio']:.0%}"
-            f"  ({row['entry']}, threads wait {row['cpu_wait_policy']})"
+            f"  ({row['entry']}, threads wait {row['cpu_wait_policy']}, offline engine "
+            f"{row['offline_threads']} threads)"
         )
     write_result(
         args.output,

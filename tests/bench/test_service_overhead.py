@@ -27,3 +27,4 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
         assert row["ttft_added_ms"] == pytest.approx(service["ttft_ms"] - offline["ttft_ms"])
         assert row["itl_ratio"] == pytest.approx(service["itl_ms"] / offline["itl_ms"])
         assert row["cpu_wait_policy"] == "active"  # 1 thread per engine: nothing spins
+        assert row["offline_threads"] == 1  # as many as the run's largest engine
