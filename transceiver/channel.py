@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterator
 from hybridserve.transceiver.protocol import MAX_MESSAGE_BYTES, Message, decode, encode
 
 _LENGTH = struct.Struct(">I")
-# Links one listener serves at once: the engines of a deployment, with room to spare.
-MAX_LINKS = 64
+# Links one listener serves at once: the engines of a deployment with room to spare (a prefill
+# engine opens up to 16 links to each decode engine, transfer_links_per_peer; 8 by default).
+MAX_LINKS = 256
 logger = logging.getLogger(__name__)
 
 

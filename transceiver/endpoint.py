@@ -1,6 +1,7 @@
 """The two ends of a transfer link: a sender next to a prefill engine, a receiver next to a
 decode engine. Each drives its engine through a small port (duck-typed; the transceiver does
-not import the engine) under the caller's lock, since the engine's own loop steps in parallel.
+not import the engine) under the caller's lock, since the engine's own loop steps in parallel
+(all but `handoff_source`, which needs none).
 
     sender (prefill)                             receiver (decode)
              <---------------------- Challenge   (auth.py: the peer proves the deployment's
@@ -61,7 +62,9 @@ logger = logging.getLogger(__name__)
 
 class PrefillPort(Protocol):
     def handoff_source(self, request_id: str) -> tuple[list[int], int] | None:
-        """Where the handoff's data is, pinned until `release_handoff` / `unpin_handoff`."""
+        """Where the handoff's data is, pinned until `release_handoff` / `unpin_handoff`.
+        Called without the lock: the engine's step holds it, and a transfer would wait
+        through a whole prefill step before its first byte."""
         ...
 
     def release_handoff(self, request_id: str, reason: str) -> bool: ...
@@ -386,8 +389,7 @@ class TransferSender:
             return SendOutcome(request_id, "rejected", f"{reply.code}: {reply.message}")
         if not isinstance(reply, ReceivePlan) or reply.request_id != request_id:
             raise TransferFailed(f"request {request_id}: expected a ReceivePlan, got {reply!r}")
-        with self.lock:
-            source = self.engine.handoff_source(request_id)
+        source = self.engine.handoff_source(request_id)
         if source is None:
             raise TransferFailed(
                 f"request {request_id}: the handoff was released (lease "

@@ -89,6 +89,10 @@ class NixlBackend(TransferBackend):
         self._registered = self.agent.register_memory(tensors)
         self.layout = {kind: self._pool_layout(t) for kind, t in pools.tensors().items()}
         self.peers: dict[str, dict[str, Any]] = {}
+        # Links open to each peer: a prefill engine keeps several to one decode engine
+        # (transfer_links_per_peer), and the peer is forgotten when its last one closes.
+        self._num_links: dict[str, int] = {}
+        self._peers_lock = threading.Lock()
 
     @staticmethod
     def _pool_layout(pool: Any) -> list[int]:
@@ -122,14 +126,17 @@ class NixlBackend(TransferBackend):
         streams = data.get("streams")
         if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
             raise TransferFailed(f"peer stream count {streams!r} is not a positive integer")
-        name = self.agent.add_remote_agent(data["metadata"])
-        if isinstance(name, bytes):
-            name = name.decode()
-        self.peers[name] = data
-        if self.num_streams > 1:
-            self._streams[name] = ThreadPoolExecutor(
-                self.num_streams, thread_name_prefix=f"nixl-{name[-12:]}"
-            )
+        with self._peers_lock:
+            name = self.agent.add_remote_agent(data["metadata"])  # the same name again: a no-op
+            if isinstance(name, bytes):
+                name = name.decode()
+            self._num_links[name] = self._num_links.get(name, 0) + 1
+            if self._num_links[name] == 1:
+                self.peers[name] = data
+                if self.num_streams > 1:
+                    self._streams[name] = ThreadPoolExecutor(
+                        self.num_streams, thread_name_prefix=f"nixl-{name[-12:]}"
+                    )
         return name
 
     def _descriptors(
@@ -248,15 +255,22 @@ class NixlBackend(TransferBackend):
             inbox.difference_update({m for m in inbox if m.startswith(prefix)})
 
     def remove_peer(self, peer: str) -> None:
-        streams = self._streams.pop(peer, None)
+        """One link to `peer` closed; the last one forgets it."""
+        with self._peers_lock:
+            links = self._num_links.pop(peer, 0) - 1
+            if links > 0:
+                self._num_links[peer] = links
+                return
+            streams = self._streams.pop(peer, None)
+            with self._inbox_lock:
+                self._inbox.pop(peer, None)
+            if self.peers.pop(peer, None) is not None:
+                self.agent.remove_remote_agent(peer)
         if streams is not None:
             streams.shutdown()
-        with self._inbox_lock:
-            self._inbox.pop(peer, None)
-        if self.peers.pop(peer, None) is not None:
-            self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
         for peer in list(self.peers):
+            self._num_links[peer] = 1
             self.remove_peer(peer)
         self.agent.deregister_memory(self._registered)

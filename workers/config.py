@@ -121,6 +121,15 @@ class EngineConfig(BaseModel):
         description="nixl: threads that post one transfer's regions in parallel, each on its "
         "own UCX worker (the tcp backend has one stream)",
     )
+    transfer_links_per_peer: int = Field(
+        8,
+        ge=1,
+        le=16,
+        description="prefill: links (a connection and a sender thread each) to each decode "
+        "engine, each carrying one transfer at a time: a transfer waits for the decode "
+        "engine's steps (to reserve its pages, to admit the request), and several links let "
+        "those waits overlap",
+    )
     transfer_lease_seconds: float = Field(
         60.0,
         gt=0,

@@ -17,12 +17,18 @@ send reads them they are pinned, and a release that comes meanwhile (lease, abor
 the send to end (`unpin`): freed pages may be reallocated and overwritten at once. Decode pages
 belong to the receiving request, then to a quarantine, never straight to the pool while a
 writer may be active.
+
+A send pins its handoff's pages without the engine's lock (`PrefillHandoffs.source`): the
+engine holds that lock for a whole step, and a prefill step can last a second on a busy CPU,
+which every transfer would wait through before its first byte. The pages are known from the
+hand-off, and a small lock of the handoffs' own makes pinning and releasing exclusive.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +69,9 @@ class Handoff:
     request: Request
     message: TransferRequest
     deadline: float  # monotonic seconds; the lease
+    # Where its data is read from: its KV blocks and live slot, fixed until its release.
+    block_ids: list[int]
+    slot: int
     pinned: bool = False  # a send is reading its pages
     released: str | None = None  # released while pinned: why (freed once unpinned)
 
@@ -84,6 +93,9 @@ class PrefillHandoffs:
         self.compatibility_hash = compatibility_hash
         self.pending: dict[str, Handoff] = {}
         self._new: list[Handoff] = []
+        # Pinning (a sender's thread) against releasing (the engine's, or a sender's): taken
+        # for the check and the flag, never across anything slow.
+        self._lock = threading.Lock()
 
     def hand_off(self, request: Request) -> Handoff:
         """Take a request that just sampled its first token out of the scheduler, keeping its
@@ -113,8 +125,15 @@ class PrefillHandoffs:
             compatibility_hash=self.compatibility_hash,
         )
         assert request.num_computed_tokens == request.num_prompt_tokens
-        handoff = Handoff(request, message, time.monotonic() + self.lease_seconds)
-        self.pending[request.request_id] = handoff
+        handoff = Handoff(
+            request,
+            message,
+            time.monotonic() + self.lease_seconds,
+            list(self.cache.block_table(request.request_id)),
+            self.cache.live_slot(request.request_id),
+        )
+        with self._lock:
+            self.pending[request.request_id] = handoff
         self._new.append(handoff)
         return handoff
 
@@ -124,34 +143,41 @@ class PrefillHandoffs:
 
     def source(self, request_id: str) -> tuple[list[int], int] | None:
         """The blocks and live slot a pending handoff's data is read from, pinned until
-        `unpin` (or a release by the sender); None once released."""
-        handoff = self.pending.get(request_id)
-        if handoff is None or handoff.released is not None:
-            return None
-        handoff.pinned = True
-        return self.cache.block_table(request_id), self.cache.live_slot(request_id)
+        `unpin` (or a release by the sender); None once released. Safe without the engine's
+        lock (the only call here that is)."""
+        with self._lock:
+            handoff = self.pending.get(request_id)
+            if handoff is None or handoff.released is not None:
+                return None
+            handoff.pinned = True
+            return handoff.block_ids, handoff.slot
 
     def unpin(self, request_id: str) -> None:
         """The send is over: a release that came meanwhile happens now."""
-        handoff = self.pending.get(request_id)
-        if handoff is None:
-            return
-        handoff.pinned = False
-        if handoff.released is not None:
-            self.release(request_id, handoff.released)
+        with self._lock:
+            handoff = self.pending.get(request_id)
+            if handoff is None:
+                return
+            handoff.pinned = False
+            deferred = handoff.released
+        if deferred is not None:
+            self.release(request_id, deferred)
 
     def release(self, request_id: str, reason: str) -> bool:
         """Ack, abort or expiry: free the handoff's pages (once no send reads them). False if
         it was already released (release is idempotent: a late ack after an abort changes
         nothing)."""
-        handoff = self.pending.get(request_id)
-        if handoff is None or (handoff.pinned and handoff.released is not None):
-            return False
-        if handoff.pinned:
-            handoff.released = reason
-            logger.info("request %s: handoff released (%s) once its send ends", request_id, reason)
-            return True
-        del self.pending[request_id]
+        with self._lock:
+            handoff = self.pending.get(request_id)
+            if handoff is None or (handoff.pinned and handoff.released is not None):
+                return False
+            if handoff.pinned:
+                handoff.released = reason
+                logger.info(
+                    "request %s: handoff released (%s) once its send ends", request_id, reason
+                )
+                return True
+            del self.pending[request_id]
         self.scheduler.release_handoff(handoff.request)
         logger.info("request %s: handoff released (%s)", request_id, reason)
         return True
@@ -159,9 +185,10 @@ class PrefillHandoffs:
     def expire(self, now: float | None = None) -> list[str]:
         """Release every handoff whose lease has passed; called on a timer, not by scheduling."""
         now = time.monotonic() if now is None else now
-        expired = [
-            rid for rid, h in self.pending.items() if h.deadline <= now and h.released is None
-        ]
+        with self._lock:
+            expired = [
+                rid for rid, h in self.pending.items() if h.deadline <= now and h.released is None
+            ]
         for request_id in expired:
             self.release(request_id, "lease expired")
         return expired

@@ -424,7 +424,7 @@ class Engine:
     def handoff_source(self, request_id: str) -> tuple[list[int], int] | None:
         """The KV blocks and live slot a pending handoff reads from, pinned (a lease expiry
         or abort frees them only after `release_handoff` / `unpin_handoff`); None once
-        released."""
+        released. Thread-safe without the caller's engine lock (disaggregation.py)."""
         assert self.handoffs is not None, "handoff_source needs role=prefill"
         return self.handoffs.source(request_id)
 

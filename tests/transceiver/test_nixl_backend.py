@@ -183,3 +183,38 @@ def test_errors_nixl_raises_become_transfer_failures(linked, monkeypatch):
     monkeypatch.setattr(sender.agent, "initialize_xfer", broken)
     with pytest.raises(TransferFailed, match="NIXL write failed: NIXL_ERR_BACKEND"):
         sender.send(None, to_receiver, "r-2", copies([(0, 0), (1, 1), (2, 2)]), timeout=1)
+
+
+def test_a_nixl_peer_stays_known_until_its_last_link_closes():
+    sender, receiver = make_backend(1, seed=5), make_backend(1, None)
+    try:
+        info = receiver.local_info()
+        first, second = sender.add_peer(info), sender.add_peer(info)
+        assert first == second
+        from_sender = receiver.add_peer(sender.local_info())
+        sender.remove_peer(first)  # one link closed; the other still writes
+        pairs = [(0, 3), (4, 1)]
+        landed: list[BaseException] = []
+        thread = threading.Thread(
+            target=lambda: _receive(receiver, from_sender, pairs, landed), daemon=True
+        )
+        thread.start()
+        sender.send(None, second, "req-1", copies(pairs), timeout=10)
+        thread.join(10)
+        assert landed == [] and not thread.is_alive()
+        for src, dst in pairs:
+            assert bool((receiver.pools.kv[dst] == sender.pools.kv[src]).all())
+        sender.remove_peer(second)
+        assert sender.peers == {}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _receive(
+    backend: NixlBackend, peer: str, pairs: list[tuple[int, int]], errors: list[BaseException]
+) -> None:
+    try:
+        backend.receive(None, peer, "req-1", copies(pairs), timeout=10)
+    except BaseException as exc:  # reported by the caller's assertion
+        errors.append(exc)
