@@ -346,6 +346,8 @@ def main() -> None:
     )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
+    if args.offline_threads is not None and args.offline_threads < 1:
+        parser.error(f"--offline-threads {args.offline_threads}: at least 1")
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -383,7 +385,9 @@ def main() -> None:
                     args.rounds,
                     args.sustained_requests,
                     args.cpu_wait_policy,
-                    args.offline_threads or largest_engine(threads),
+                    largest_engine(threads)
+                    if args.offline_threads is None
+                    else args.offline_threads,
                     seed,
                 )
                 offline, service = run.offline, run.service

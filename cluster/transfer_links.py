@@ -75,6 +75,7 @@ class TransferLinks:
         self._senders: dict[Address, PeerSenders] = {}
         self.num_sending = 0
         self.bytes_sent = 0
+        self._counts_lock = threading.Lock()  # the counts change on every sender thread
         self.receiver: TransferReceiver | None = None
         self.shards: EngineShards | None = None
         self._local_shards: RankShards | None = None
@@ -132,12 +133,14 @@ class TransferLinks:
         `on_outcome` gets the outcome on the link's thread (a send that raised counts as
         failed, its hand-off released, so the decode side recovers and nothing stays held)."""
         senders = self._peer(address)
-        self.num_sending += 1
+        with self._counts_lock:
+            self.num_sending += 1
 
         def done(future: Future[SendOutcome]) -> None:
             outcome = self._outcome(request_id, future)
-            self.num_sending -= 1
-            self.bytes_sent += outcome.bytes_sent
+            with self._counts_lock:
+                self.num_sending -= 1
+                self.bytes_sent += outcome.bytes_sent
             on_outcome(outcome)
 
         senders.submit(request_id, message).add_done_callback(done)
@@ -176,18 +179,21 @@ class TransferLinks:
                 )
                 for _ in range(self._links_per_peer)
             ]
-            self._senders[address] = PeerSenders(senders, f"{self.name}-send")
+            host, port = address
+            self._senders[address] = PeerSenders(senders, f"{self.name}-send-{host}:{port}")
         return self._senders[address]
 
 
 class PeerSenders:
     """The senders to one decode peer, each on its own link (opened at its first send), and
-    as many threads: a send takes whichever sender is idle."""
+    as many threads: a send takes the idle sender used last (links open only as concurrency
+    asks for them). A failed send closes the idle links too: if the peer went away (a
+    restarted decode engine at the same address), each would fail one transfer of its own."""
 
     def __init__(self, senders: list[TransferSender], thread_name: str) -> None:
         self._senders = senders
-        self._idle: queue.SimpleQueue[TransferSender] = queue.SimpleQueue()
-        for sender in senders:
+        self._idle: queue.LifoQueue[TransferSender] = queue.LifoQueue()
+        for sender in reversed(senders):
             self._idle.put(sender)
         # As many threads as senders: a running send always finds one idle.
         self._threads = ThreadPoolExecutor(len(senders), thread_name_prefix=thread_name)
@@ -196,10 +202,23 @@ class PeerSenders:
         return self._threads.submit(self._send, request_id, message)
 
     def _send(self, request_id: str, message: TransferRequest) -> SendOutcome:
-        sender = self._idle.get_nowait()
+        sender = self._idle.get()  # never waits long: a thread per sender
+        outcome: SendOutcome | None = None
         try:
-            return sender.send(request_id, message)
+            outcome = sender.send(request_id, message)
+            return outcome
         finally:
+            if outcome is None or outcome.status == "failed":
+                self._close_idle_links()
+            self._idle.put(sender)
+
+    def _close_idle_links(self) -> None:
+        idle = []
+        while not self._idle.empty():
+            idle.append(self._idle.get_nowait())
+        for sender in idle:
+            sender.close_link()
+        for sender in reversed(idle):
             self._idle.put(sender)
 
     def close(self) -> None:

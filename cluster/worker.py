@@ -81,6 +81,7 @@ class EngineWorker:
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
         self.transfer_failures: dict[str, int] = {}
+        self._failures_lock = threading.Lock()  # counted from every sender thread
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -592,7 +593,8 @@ class EngineWorker:
             stream.loop.call_soon_threadsafe(stream.settle, result)
 
     def _count_failure(self, reason: str) -> None:
-        self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
+        with self._failures_lock:
+            self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
 
     def _fail_all(self, reason: str) -> int:
         """End every open request with an error event; returns how many."""

@@ -257,20 +257,25 @@ class NixlBackend(TransferBackend):
     def remove_peer(self, peer: str) -> None:
         """One link to `peer` closed; the last one forgets it."""
         with self._peers_lock:
-            links = self._num_links.pop(peer, 0) - 1
+            links = self._num_links.get(peer, 0) - 1
             if links > 0:
                 self._num_links[peer] = links
                 return
-            streams = self._streams.pop(peer, None)
-            with self._inbox_lock:
-                self._inbox.pop(peer, None)
-            if self.peers.pop(peer, None) is not None:
-                self.agent.remove_remote_agent(peer)
+            self._forget(peer)
+
+    def _forget(self, peer: str) -> None:
+        """Drop `peer` whatever its links (under `_peers_lock`)."""
+        self._num_links.pop(peer, None)
+        streams = self._streams.pop(peer, None)
         if streams is not None:
-            streams.shutdown()
+            streams.shutdown()  # in-flight writes end before the agent goes
+        with self._inbox_lock:
+            self._inbox.pop(peer, None)
+        if self.peers.pop(peer, None) is not None:
+            self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
-        for peer in list(self.peers):
-            self._num_links[peer] = 1
-            self.remove_peer(peer)
+        with self._peers_lock:
+            for peer in list(self.peers):
+                self._forget(peer)
         self.agent.deregister_memory(self._registered)

@@ -70,8 +70,8 @@ class Handoff:
     message: TransferRequest
     deadline: float  # monotonic seconds; the lease
     # Where its data is read from: its KV blocks and live slot, fixed until its release.
-    block_ids: list[int]
-    slot: int
+    block_ids: tuple[int, ...]
+    live_slot: int
     pinned: bool = False  # a send is reading its pages
     released: str | None = None  # released while pinned: why (freed once unpinned)
 
@@ -129,7 +129,7 @@ class PrefillHandoffs:
             request,
             message,
             time.monotonic() + self.lease_seconds,
-            list(self.cache.block_table(request.request_id)),
+            tuple(self.cache.block_table(request.request_id)),
             self.cache.live_slot(request.request_id),
         )
         with self._lock:
@@ -150,7 +150,7 @@ class PrefillHandoffs:
             if handoff is None or handoff.released is not None:
                 return None
             handoff.pinned = True
-            return handoff.block_ids, handoff.slot
+            return list(handoff.block_ids), handoff.live_slot
 
     def unpin(self, request_id: str) -> None:
         """The send is over: a release that came meanwhile happens now."""

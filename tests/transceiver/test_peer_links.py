@@ -53,6 +53,8 @@ def test_two_links_carry_two_transfers_at_once(make_link, expected, backend):
     )
     senders = PeerSenders([link.sender, second], "test-send")
     try:
+        for sender in (link.sender, second):
+            sender.connect()  # both links open: the two sends reach their data together
         handoffs = link.hand_off(SPECS[:2])
         sends = [senders.submit(h.request.request_id, h.message) for h in handoffs]
         outcomes = [send.result(timeout=3 * TIMEOUT) for send in sends]
@@ -67,8 +69,9 @@ def test_two_links_carry_two_transfers_at_once(make_link, expected, backend):
 
 
 def test_one_link_carries_one_transfer_at_a_time(make_link):
-    """The control: the same two sends on one link cannot move at once (each fails waiting
-    for the other), and both engines end at baseline."""
+    """The control: the same two sends on one link cannot move at once (the first fails
+    waiting for a second that never comes, the second finds the wait already given up), and
+    both engines end at baseline."""
     link = make_link(wrap_sender=lambda b: Paired(b, parties=2))
     senders = PeerSenders([link.sender], "test-send")
     try:
