@@ -18,7 +18,7 @@ from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.endpoint import SendOutcome, TransferSender
 from hybridserve.transceiver.faults import WrappedBackend
 from tests.helpers import TRANSFER_SECRET
-from tests.transceiver.link import SPECS, TIMEOUT, wait_until
+from tests.transceiver.link import SPECS, TIMEOUT, Link, wait_until
 
 
 class Paired(WrappedBackend):
@@ -39,6 +39,16 @@ class Paired(WrappedBackend):
         super().send(channel, peer, request_id, copies, timeout)
 
 
+def send_two(link: Link, senders: PeerSenders) -> list[SendOutcome]:
+    """Hand off the first two requests and send both through `senders` at once."""
+    try:
+        handoffs = link.hand_off(SPECS[:2])
+        sends = [senders.submit(h.request.request_id, h.message) for h in handoffs]
+        return [send.result(timeout=3 * TIMEOUT) for send in sends]
+    finally:
+        senders.close()
+
+
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_two_links_carry_two_transfers_at_once(make_link, expected, backend):
     link = make_link(backend=backend, wrap_sender=lambda b: Paired(b, parties=2))
@@ -51,15 +61,9 @@ def test_two_links_carry_two_transfers_at_once(make_link, expected, backend):
         lock=link.prefill_lock,
         timeout=TIMEOUT,
     )
-    senders = PeerSenders([link.sender, second], "test-send")
-    try:
-        for sender in (link.sender, second):
-            sender.connect()  # both links open: the two sends reach their data together
-        handoffs = link.hand_off(SPECS[:2])
-        sends = [senders.submit(h.request.request_id, h.message) for h in handoffs]
-        outcomes = [send.result(timeout=3 * TIMEOUT) for send in sends]
-    finally:
-        senders.close()
+    for sender in (link.sender, second):
+        sender.connect()  # both links open: the two sends reach their data together
+    outcomes = send_two(link, PeerSenders([link.sender, second], "test-send"))
     assert [o.status for o in outcomes] == ["acked", "acked"]
     finished = link.decode_all()
     assert {rid: o.token_ids for rid, o in finished.items()} == {
@@ -73,13 +77,7 @@ def test_one_link_carries_one_transfer_at_a_time(make_link):
     waiting for a second that never comes, the second finds the wait already given up), and
     both engines end at baseline."""
     link = make_link(wrap_sender=lambda b: Paired(b, parties=2))
-    senders = PeerSenders([link.sender], "test-send")
-    try:
-        handoffs = link.hand_off(SPECS[:2])
-        sends = [senders.submit(h.request.request_id, h.message) for h in handoffs]
-        outcomes = [send.result(timeout=3 * TIMEOUT) for send in sends]
-    finally:
-        senders.close()
+    outcomes = send_two(link, PeerSenders([link.sender], "test-send"))
     assert [o.status for o in outcomes] == ["failed", "failed"]
     assert all("no other transfer moved with it" in o.detail for o in outcomes)
     link.decode_all()  # recomputed there (policy recompute)
