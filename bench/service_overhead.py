@@ -20,14 +20,13 @@ engine, request by request and batch by batch, and its ratios (service / offline
 against those offline figures. The service runs once per `--torch-threads` value (CPU threads
 per engine; default 1 and 2). The offline engine runs with as many threads as the run's
 largest engine (`--offline-threads N`: that many for every run, e.g. every core): the ratios
-then compare one engine's speed served and offline, and the engines of a 1P1D deployment each
-on cores of its own (where the machine has them) against one engine on its cores, as two GPUs
+then compare one engine's speed served and offline, and a 1P1D deployment's two engines, each
+on cores of its own where the machine has them, against one engine on its cores, as two GPUs
 against one. A served engine shares its cores with the HTTP path (ingress, the client), and on
 a small machine an engine that takes every core slows that path more than it gains. Each
-shape's last run is repeated
-with `--stream-interval` tokens per streamed chunk (the service's `stream_interval`): the
-path's CPU per token, which competes with the engine for the same cores, goes down by about
-that factor.
+shape's last run is repeated with `--stream-interval` tokens per streamed chunk (the service's
+`stream_interval`): the path's CPU per token, which competes with the engine for the same
+cores, goes down by about that factor.
 """
 
 from __future__ import annotations

@@ -203,19 +203,24 @@ class PeerSenders:
 
     def _send(self, request_id: str, message: TransferRequest) -> SendOutcome:
         sender = self._idle.get()  # never waits long: a thread per sender
-        outcome: SendOutcome | None = None
+        failed = True
         try:
             outcome = sender.send(request_id, message)
+            failed = outcome.status == "failed"
             return outcome
         finally:
-            if outcome is None or outcome.status == "failed":
-                self._close_idle_links()
             self._idle.put(sender)
+            if failed:
+                self._close_idle_links()
 
     def _close_idle_links(self) -> None:
+        """Close the links no send uses now (each reopens at its next send)."""
         idle = []
-        while not self._idle.empty():
-            idle.append(self._idle.get_nowait())
+        while True:
+            try:
+                idle.append(self._idle.get_nowait())
+            except queue.Empty:  # the rest are sending (another thread may take one meanwhile)
+                break
         for sender in idle:
             sender.close_link()
         for sender in reversed(idle):
