@@ -75,6 +75,7 @@ class TransferLinks:
         self._senders: dict[Address, PeerSenders] = {}
         self.num_sending = 0
         self.bytes_sent = 0
+        self._failures: dict[str, int] = {}  # failed transfers by reason
         self._counts_lock = threading.Lock()  # the counts change on every sender thread
         self.receiver: TransferReceiver | None = None
         self.shards: EngineShards | None = None
@@ -141,9 +142,21 @@ class TransferLinks:
             with self._counts_lock:
                 self.num_sending -= 1
                 self.bytes_sent += outcome.bytes_sent
+            if not outcome.ok:
+                self.count_failure(outcome.status)  # TransferSender has logged it
             on_outcome(outcome)
 
         senders.submit(request_id, message).add_done_callback(done)
+
+    def count_failure(self, reason: str) -> None:
+        """A transfer failed: sent from here, or (decode) lost on the prefill side."""
+        with self._counts_lock:
+            self._failures[reason] = self._failures.get(reason, 0) + 1
+
+    def failures(self) -> dict[str, int]:
+        """Failed transfers by reason, since start."""
+        with self._counts_lock:
+            return dict(self._failures)
 
     def close(self) -> None:
         if self.receiver is not None:

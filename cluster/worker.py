@@ -80,8 +80,6 @@ class EngineWorker:
         self._event_sink = event_sink
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
-        self.transfer_failures: dict[str, int] = {}
-        self._failures_lock = threading.Lock()  # counted from every sender thread
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -177,7 +175,7 @@ class EngineWorker:
                 "snapshot_misses": cache.stats.misses,
                 "reused_tokens": cache.stats.reused_tokens,
                 "transfer_bytes": self.links.bytes_sent,
-                "transfer_failures": dict(self.transfer_failures),
+                "transfer_failures": self.links.failures(),
                 "transfer_links_refused": self.links.refused_links,
                 "num_free_blocks": cache.num_free_blocks,
                 "num_free_slots": cache.num_free_slots,
@@ -229,7 +227,7 @@ class EngineWorker:
         the prefill engine died). The engine's failure policy decides: recompute here, or
         end the request with an error. `delivered`: output tokens the caller already has."""
         stream = self._expected_stream(request.request_id)
-        self._count_failure("transfer_failed")
+        self.links.count_failure("transfer_failed")
         with self.lock:
             # Output already delivered here means the transfer landed (the request may even
             # have finished and left the engine): nothing to recompute.
@@ -577,8 +575,6 @@ class EngineWorker:
 
     def _shipped(self, stream: RequestStream, outcome: SendOutcome) -> None:
         status = "handed_off" if outcome.ok else "transfer_failed"
-        if not outcome.ok:
-            self._count_failure(outcome.status)  # TransferSender has logged it
         stream.ended = True
         result = PrefillResult(
             outcome.request_id,
@@ -591,10 +587,6 @@ class EngineWorker:
         # The caller's loop may be gone (its prefill was closed and it shut down).
         if stream.prefill_done is not None and not stream.loop.is_closed():
             stream.loop.call_soon_threadsafe(stream.settle, result)
-
-    def _count_failure(self, reason: str) -> None:
-        with self._failures_lock:
-            self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
 
     def _fail_all(self, reason: str) -> int:
         """End every open request with an error event; returns how many."""
