@@ -253,8 +253,13 @@ class OpenAIIngress:
     ) -> AsyncIterator[TokenEvent]:
         """TokenEvents of one request (cluster/orchestrator.py has the steps)."""
         epoch, incarnations = topology["epoch"], topology["incarnations"]
+        addresses = topology["addresses"]
         engines = {
-            name: RemoteEngine(name, self._feed(epoch, name, incarnations[name], handle))
+            name: RemoteEngine(
+                name,
+                self._feed(epoch, name, incarnations[name], handle),
+                (str(addresses[name][0]), int(addresses[name][1])) if addresses[name] else None,
+            )
             for name, handle in topology["engines"].items()
         }
 

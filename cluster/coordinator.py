@@ -102,6 +102,10 @@ class Coordinator:
         self.roles = names
         # Engines load their model in parallel; wait for all before taking traffic.
         described = ray.get([engine.describe.remote() for engine in self.engines.values()])
+        # Where each decode engine takes transfers (None: not a decode engine).
+        self.addresses = {
+            name: d["address"] for name, d in zip(self.engines, described, strict=True)
+        }
         self.model_info = {
             "model_id": self.config.model_id,
             "vocab_size": described[0]["vocab_size"],
@@ -198,6 +202,7 @@ class Coordinator:
             "router": self.router,
             "engines": live,
             "incarnations": {n: self.incarnations[n] for n in live},
+            "addresses": {n: self.addresses[n] for n in live},
             "epoch": self.epoch,
             "model": self.model_info,
         }
@@ -250,7 +255,7 @@ class Coordinator:
         incarnation = self.incarnations[name] + 1
         try:
             handle = await asyncio.to_thread(self._start_engine, name, engine, incarnation)
-            await handle.describe.remote()
+            described = await handle.describe.remote()
         except Exception as exc:
             logger.error("engine %s: restart %d failed: %r", name, attempt, exc)
             group = self.placement_groups.pop(name, None)
@@ -259,6 +264,7 @@ class Coordinator:
             self._schedule_restart(name)
             return
         self.engines[name] = handle
+        self.addresses[name] = described["address"]
         self.incarnations[name] = incarnation
         capacity = None if role == "prefill" else engine.max_num_seqs
         await self.router.add_engine.remote(name, capacity, incarnation)

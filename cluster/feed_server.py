@@ -108,9 +108,8 @@ class TokenOutbox(FeedSession):
                 address = (str(host), int(port))
                 return (await self.prefill(GenerateRequest.from_dict(request), address)).to_dict()
             case "expect", [request_id, num_choices]:
-                address = list(await self.worker.expect(request_id, num_choices))
+                await self.worker.expect(request_id, num_choices)
                 self.request_ids.add(request_id)  # released or followed by this subscriber
-                return address
             case "follow", [request_id]:
                 self.attach(request_id)
             case "recover", [request, delivered, reason]:

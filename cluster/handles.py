@@ -24,9 +24,11 @@ class RemoteEngine:
     """An engine through `feed`, this replica's connection to it (one per engine, shared by
     every request that runs there)."""
 
-    def __init__(self, name: str, feed: EngineFeed) -> None:
+    def __init__(self, name: str, feed: EngineFeed, address: tuple[str, int] | None = None) -> None:
+        """`address`: where prefill engines send its transfers (a decode engine's)."""
         self.name = name
         self.feed = feed
+        self.address = address
 
     async def _stream(self, request_id: str, method: str, *args: Any) -> AsyncIterator[TokenEvent]:
         """Ask the engine to send `request_id`'s events to this replica's feed, then yield
@@ -43,9 +45,8 @@ class RemoteEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         return self._stream(request.request_id, "generate", request.to_dict())
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
-        host, port = await self.feed.call("expect", request_id, num_choices)
-        return str(host), int(port)
+    async def expect(self, request_id: str, num_choices: int = 1) -> None:
+        await self.feed.call("expect", request_id, num_choices)
 
     async def prefill(
         self, request: GenerateRequest, address: tuple[str, int]

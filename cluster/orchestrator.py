@@ -6,9 +6,12 @@ stream. The ingress runs it for every request; engines are reached through `Engi
                  is allocated) and picks the decode engine, and a prefill engine unless the
                  decode engine should run the whole request (colocated engines, or a short
                  new part of a conversation it holds)
-    2. expect    the decode engine opens the request's stream and says where to send it
+    2. expect    the decode engine opens the request's stream
     3. prefill   the prefill engine computes the prompt and the first token and ships the
-                 state to that address; the first token streams at once
+                 state to the decode engine's address; the first token streams at once.
+                 Sent without waiting for expect's reply (a round trip of ~0.7 ms on the
+                 first token): a transfer that reaches the decode engine ahead of its
+                 expect waits there for it
     4. decode    the decode engine continues from the transferred state; if the transfer
                  failed (seen by either side, or the prefill engine died), the decode
                  engine's `transfer_failure_policy` decides, in one place (the engine):
@@ -23,6 +26,7 @@ dead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -57,9 +61,13 @@ class FeedLost(ConnectionError):
 class EngineClient(Protocol):
     """An engine as the orchestrator drives it. Raises EngineDied if the engine is gone."""
 
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where prefill engines send its transfers (a decode engine's; else None)."""
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]: ...
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]: ...
+    async def expect(self, request_id: str, num_choices: int = 1) -> None: ...
 
     def prefill(
         self, request: GenerateRequest, address: tuple[str, int]
@@ -152,33 +160,46 @@ class Orchestrator:
         engine's load is given back (`holding`) once it reports how the transfer went."""
         request_id = request.request_id
         decode = self.engines[decode_name]
-        # 2. expect: the stream is open before anything can arrive
-        address = await decode.expect(request_id, request.params.n)
+        address = decode.address
+        if address is None:
+            raise RuntimeError(f"engine {decode_name} takes no transfers: not a decode engine")
+        # 2. expect: its reply is awaited before anything reaches the caller or the decode
+        # engine's other calls (the transfer waits there for the expect, if it comes first)
+        expected = asyncio.ensure_future(decode.expect(request_id, request.params.n))
         # 3. prefill (and the transfer it starts): the first token, then how the transfer went
         first: TokenEvent | None = None
         result: PrefillResult | None = None
-        async with contextlib.aclosing(self.engines[prefill_name].prefill(request, address)) as run:
-            while True:
-                try:
-                    message = await anext(run)
-                except StopAsyncIteration:
-                    break
-                except (EngineDied, FeedLost) as lost:  # the prefill engine's (nothing else
-                    if isinstance(lost, EngineDied):  # is awaited here)
-                        await self.on_engine_dead(lost.name)
-                    if result is None:
-                        result = PrefillResult(request_id, "transfer_failed", detail=str(lost))
-                    break
-                if isinstance(message, PrefillResult):
-                    result = message
-                    continue
-                first = message
-                if first.finished:  # ended by its first token, or refused: no transfer
-                    with contextlib.suppress(EngineDied):  # a dead decode engine holds nothing
-                        await decode.release(request_id)
-                    yield first
-                    return
-                yield first  # to the client now, while the transfer is under way
+        try:
+            prefill = self.engines[prefill_name].prefill(request, address)
+            async with contextlib.aclosing(prefill) as run:
+                while True:
+                    try:
+                        message = await anext(run)
+                    except StopAsyncIteration:
+                        break
+                    except (EngineDied, FeedLost) as lost:  # the prefill engine's (the
+                        if isinstance(lost, EngineDied):  # expect is awaited apart)
+                            await self.on_engine_dead(lost.name)
+                        if result is None:
+                            result = PrefillResult(request_id, "transfer_failed", detail=str(lost))
+                        break
+                    if isinstance(message, PrefillResult):
+                        result = message
+                        continue
+                    first = message
+                    await expected
+                    if first.finished:  # ended by its first token, or refused: no transfer
+                        with contextlib.suppress(EngineDied):  # a dead one holds nothing
+                            await decode.release(request_id)
+                        yield first
+                        return
+                    yield first  # to the client now, while the transfer is under way
+            await expected
+        finally:
+            if not expected.done():
+                expected.cancel()  # a caller gone early: run() aborts it on the decode engine
+            elif not expected.cancelled():
+                expected.exception()  # raised above, or superseded by what ended the request
         if result is None:
             result = PrefillResult(request_id, "transfer_failed", detail="no prefill result")
         holding.remove(prefill_name)

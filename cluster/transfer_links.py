@@ -55,7 +55,10 @@ class TransferLinks:
         timeout: float,
         deadline: float,
         rank_shards: Callable[[Engine], list[RankShardsPort]] | None = None,
+        expected: Callable[[str], bool] | None = None,
     ) -> None:
+        """`expected(request_id)`: whether the decode engine expects the request, waiting
+        for it a while; a transfer it does not expect is refused."""
         self.name = name
         self.engine = engine
         self.role = config.role
@@ -107,6 +110,7 @@ class TransferLinks:
                 timeout=timeout,
                 deadline=deadline,
                 shards=self.shards,
+                admit=expected,
             )
 
     @property

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 # expected stream on the decode side starts after them).
 PREFILL_TOKENS = 1
 
+# How long a transfer that arrives ahead of its request's expect waits for it before it is
+# refused (expect goes out with the prefill; it lands first but for a stalled event loop).
+EXPECT_WAIT_S = 2.0
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
@@ -77,6 +80,7 @@ class EngineWorker:
         self.stream_interval = stream_interval
         self.lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
+        self._expected = threading.Condition()  # a stream opened by expect
         self._event_sink = event_sink
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
@@ -111,6 +115,7 @@ class EngineWorker:
                 timeout=transfer_timeout,
                 deadline=transfer_deadline,
                 rank_shards=rank_shards,
+                expected=self._wait_expected,
             )
         except BaseException:
             self._stop.set()
@@ -213,14 +218,21 @@ class EngineWorker:
         finally:
             self._close(request.request_id)
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
-        """Decode role: open the stream of a request a prefill engine is about to send here;
-        returns where to send it. Its first token is delivered by the prefill side (as soon
-        as that engine has it), so this stream starts after it; the first tokens of its other
-        choices (n > 1) come from here, where they fork."""
+    async def expect(self, request_id: str, num_choices: int = 1) -> None:
+        """Decode role: open the stream of a request a prefill engine sends here (to
+        `address`). Its first token is delivered by the prefill side (as soon as that engine
+        has it), so this stream starts after it; the first tokens of its other choices
+        (n > 1) come from here, where they fork."""
         assert self.address is not None, "expect needs role=decode"
-        self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
-        return self.address
+        with self._expected:
+            self._open(request_id, num_choices).num_sent[0] = PREFILL_TOKENS
+            self._expected.notify_all()
+
+    def _wait_expected(self, request_id: str) -> bool:
+        """On a transfer link: whether `request_id` is expected here, waiting up to
+        EXPECT_WAIT_S for its expect (the caller sends it and the prefill at once)."""
+        with self._expected:
+            return self._expected.wait_for(lambda: request_id in self._streams, EXPECT_WAIT_S)
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         """Decode role: the transfer of an expected request failed on the prefill side (or

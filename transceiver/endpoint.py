@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -142,7 +143,9 @@ def _handshake_reply(
 
 class TransferReceiver:
     """Accepts prefill peers on a TCP port and lands their transfers in a decode engine.
-    `timeout`: the longest any read waits; `deadline`: the longest one transfer takes."""
+    `timeout`: the longest any read waits; `deadline`: the longest one transfer takes;
+    `admit(request_id)`: whether the decode side takes the request (it may wait for it),
+    else the transfer is refused before anything is held."""
 
     def __init__(
         self,
@@ -157,9 +160,11 @@ class TransferReceiver:
         timeout: float = 30.0,
         deadline: float = 60.0,
         shards: EngineShards | None = None,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
+        self.admit = admit
         self.backend = backend
         self.auth = PeerAuth(secret)
         self.lock = lock
@@ -211,6 +216,11 @@ class TransferReceiver:
         self, channel: Channel, peer: str, sender: PeerLayout, message: TransferRequest
     ) -> None:
         request_id = message.request_id
+        if self.admit is not None and not self.admit(request_id):
+            channel.send(
+                TransferError(request_id, "not_expected", f"request {request_id} is not expected")
+            )
+            return
         shards = self.shards if needs_shard_links(sender, self.layout) else None
         with self.lock:
             try:
@@ -309,9 +319,11 @@ class TransferSender:
         timeout: float = 30.0,
         deadline: float = 60.0,
         shards: EngineShards | None = None,
+        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
+        self.admit = admit
         self.backend = backend
         self.peer_address = peer_address
         self.auth = PeerAuth(secret)

@@ -109,7 +109,8 @@ def test_attach_streams_an_expected_request_including_what_arrived_before(pd_wor
         batches = outbox.batches()
         await anext(batches)
         req = request()
-        address = await decode.expect(req.request_id)
+        await decode.expect(req.request_id)
+        address = decode.address
         first, result = [m async for m in prefill.prefill(req, address)]
         assert isinstance(first, TokenEvent) and result.status == "handed_off"
         await asyncio.sleep(0.2)  # let decode run ahead of the attach
@@ -132,7 +133,8 @@ def test_a_prefill_s_first_token_goes_to_its_subscriber_and_its_result_is_return
         batches = outbox.batches()
         await anext(batches)
         req = request()
-        address = await decode.expect(req.request_id)
+        await decode.expect(req.request_id)
+        address = decode.address
         result = await outbox.prefill(req, address)
         assert result.status == "handed_off" and result.blocks_sent > 0
         (first,) = (await asyncio.wait_for(anext(batches), 30)).events
@@ -150,7 +152,8 @@ def test_a_prefill_the_engine_refuses_returns_the_error_and_leaves_nothing_open(
     async def scenario() -> None:
         outbox = TokenOutbox(prefill)
         req = request(prompt=[*PROMPT, 10_000])
-        address = await decode.expect(req.request_id)
+        await decode.expect(req.request_id)
+        address = decode.address
         result = await outbox.prefill(req, address)
         assert result.status == "error" and "outside the vocabulary" in result.detail
         assert outbox.request_ids == set()
@@ -170,7 +173,8 @@ def test_a_cancelled_prefill_drops_the_request_on_the_engine(pd_workers):
     async def scenario() -> None:
         outbox = TokenOutbox(prefill)
         req = request(max_tokens=400)
-        address = await decode.expect(req.request_id)
+        await decode.expect(req.request_id)
+        address = decode.address
         call = asyncio.ensure_future(outbox.prefill(req, address))
         await asyncio.sleep(0)  # submitted: the prompt is being computed
         assert outbox.request_ids == {req.request_id}
@@ -237,9 +241,9 @@ def test_calls_run_on_the_engine_and_are_answered_by_id(pd_workers):
         await anext(prefill_batches), await anext(decode_batches)
         req = request()
         expect = FeedCall(1, "expect", [req.request_id, 1])
-        address, _ = await answered(decode_box, decode_batches, expect)
-        assert address.error is None and tuple(address.value) == decode.address
-        prefill_call = FeedCall(2, "prefill", [req.to_dict(), address.value])
+        expected, _ = await answered(decode_box, decode_batches, expect)
+        assert expected.error is None and expected.value is None
+        prefill_call = FeedCall(2, "prefill", [req.to_dict(), list(decode.address)])
         result, first = await answered(prefill_box, prefill_batches, prefill_call)
         assert result.value["status"] == "handed_off" and len(first) == 1
         follow = FeedCall(3, "follow", [req.request_id])
@@ -269,7 +273,8 @@ def test_a_subscriber_gone_mid_prefill_drops_the_request(pd_workers):
     async def scenario() -> None:
         outbox = TokenOutbox(prefill)
         req = request(max_tokens=400)
-        address = await decode.expect(req.request_id)
+        await decode.expect(req.request_id)
+        address = decode.address
         outbox.call(FeedCall(1, "prefill", [req.to_dict(), list(address)]))
         await asyncio.sleep(0)  # submitted: the prompt is being computed
         assert outbox.request_ids == {req.request_id}
@@ -294,8 +299,9 @@ def test_a_prefill_ended_by_its_first_token_answers_finished(pd_workers):
         batches = outbox.batches()
         await anext(batches)
         req = request(max_tokens=1)
-        address = await decode.expect(req.request_id)
-        answer = await answered(outbox, batches, FeedCall(1, "prefill", [req.to_dict(), address]))
+        await decode.expect(req.request_id)
+        call = FeedCall(1, "prefill", [req.to_dict(), list(decode.address)])
+        answer = await answered(outbox, batches, call)
         await decode.release(req.request_id)
         return answer
 

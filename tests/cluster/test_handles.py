@@ -40,12 +40,12 @@ def test_a_disaggregated_request_runs_through_both_engines_feeds(pd_workers):
     router = FixedRoute(*ROLES)
 
     async def scenario() -> tuple[list[TokenEvent], list[TokenEvent]]:
-        servers = {
-            "prefill": feed_server(prefill),
-            "decode": feed_server(decode),
-        }
+        workers = {"prefill": prefill, "decode": decode}
+        servers = {name: feed_server(worker) for name, worker in workers.items()}
         engines = {
-            name: RemoteEngine(name, EngineFeed(name, FeedServerHandle(server)))
+            name: RemoteEngine(
+                name, EngineFeed(name, FeedServerHandle(server)), workers[name].address
+            )
             for name, server in servers.items()
         }
 

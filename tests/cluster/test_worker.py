@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridserve.cluster import worker as worker_module
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost, Orchestrator
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
@@ -147,8 +148,8 @@ class Unreachable:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.decode, name)
 
-    async def expect(self, request_id: str, num_choices: int = 1) -> tuple[str, int]:
-        await self.decode.expect(request_id, num_choices)
+    @property
+    def address(self) -> tuple[str, int]:
         return ("127.0.0.1", 1)
 
 
@@ -382,6 +383,68 @@ def test_a_prefill_engine_dying_after_its_first_token_loses_no_token(pair):
     )
     assert tokens_of(events) == offline()
     assert dead == ["prefill"]
+    assert_idle_at_baseline(prefill, decode)
+
+
+class ExpectsAfterTheTransfer:
+    """The decode engine, its `expect` held back until the prefill engine's transfer has
+    reached it and waits there (the orchestrator sends both at once: either may land first)."""
+
+    def __init__(self, decode: EngineWorker) -> None:
+        self.decode = decode
+        self.waiting: list[str] = []  # requests whose transfer asked before their expect
+        receiver = decode.links.receiver
+        assert receiver is not None and receiver.admit is not None
+        self.admit = receiver.admit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decode, name)
+
+    def arrived(self, request_id: str) -> bool:
+        self.waiting.append(request_id)
+        return self.admit(request_id)
+
+    async def expect(self, request_id: str, num_choices: int = 1) -> None:
+        while request_id not in self.waiting:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # were it not held, the transfer would land and decode now
+        await self.decode.expect(request_id, num_choices)
+
+
+def test_a_transfer_that_arrives_before_its_expect_waits_for_it(pair):
+    prefill, decode = pair
+    late = ExpectsAfterTheTransfer(decode)
+    receiver = decode.links.receiver
+    receiver.admit = late.arrived
+    failures = prefill.links.failures()
+    router = FixedRoute("prefill", "decode")
+
+    async def died(name: str) -> None:
+        raise AssertionError(f"{name} reported dead")
+
+    try:
+        req = request()
+        run = Orchestrator(router, {"prefill": prefill, "decode": late}, died).run(req)
+        events = asyncio.run(asyncio.wait_for(collect(run), 30))
+    finally:
+        receiver.admit = late.admit
+    assert late.waiting == [req.request_id]
+    assert tokens_of(events) == offline()
+    assert prefill.links.failures() == failures  # it landed: no recompute
+    assert router.held == []
+    assert_idle_at_baseline(prefill, decode)
+
+
+def test_a_transfer_nobody_expects_is_refused_and_holds_nothing(pair, monkeypatch):
+    prefill, decode = pair
+    monkeypatch.setattr(worker_module, "EXPECT_WAIT_S", 0.2)
+
+    async def unexpected() -> list[TokenEvent | PrefillResult]:
+        return [message async for message in prefill.prefill(request(), decode.address)]
+
+    first, result = asyncio.run(unexpected())
+    assert isinstance(first, TokenEvent) and first.token_ids == offline()[:1]
+    assert result.status == "transfer_failed" and "not_expected" in result.detail
     assert_idle_at_baseline(prefill, decode)
 
 
