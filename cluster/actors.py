@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -14,26 +13,19 @@ import ray
 from hybridserve.cluster.feed_server import FeedServer, FeedSession, TokenOutbox
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
+from hybridserve.cluster.router_events import RouterEvents
+from hybridserve.cluster.token_feed import EngineFeed
 from hybridserve.workers import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-
-# NOTE: out of order, so that Ray never holds a caller's later calls back behind one of its
-# calls that has not arrived (a gap in Ray's per-caller sequence stalls an in-order actor for
-# 30 s, which bursts of requests with client disconnects provoked). Order matters only for an
-# engine's cache events, which carry their own sequence numbers.
-@dataclass
-class _EventStream:
-    """One engine incarnation's cache event batches: the next to apply, and early ones."""
-
-    next_seq: int = 0
-    pending: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+CLEAR_TIMEOUT_S = 30.0  # for the router to apply an engine's cache events after a clear
 
 
 class RouteSession(FeedSession):
     """The router's session with one ingress replica (cluster/feed_server.py): its routes and
-    releases, on the router actor's loop, one at a time like its Ray calls."""
+    releases; or with an engine: its cache events. On the router actor's loop, one at a time
+    like its Ray calls."""
 
     def __init__(self, router: RouterActor) -> None:
         super().__init__("router")
@@ -45,16 +37,23 @@ class RouteSession(FeedSession):
                 return self.router.route(token_ids, cache_salt)
             case "release", [engine]:
                 return self.router.release(engine)
+            case "events", [engine, incarnation, seq, events]:
+                return self.router.apply_events(engine, incarnation, seq, events)
         return await super()._run(method, args)
+
+
+# NOTE: out of order, so that Ray never holds a caller's later calls back behind one of its
+# calls that has not arrived (a gap in Ray's per-caller sequence stalls an in-order actor for
+# 30 s, which bursts of requests with client disconnects provoked). Nothing whose order
+# matters comes by Ray: cache events come on the engines' feeds, numbered.
 
 
 @ray.remote(allow_out_of_order_execution=True)
 class RouterActor:
     """One per service, one call at a time (an async actor whose methods never await: its
-    calls and its feed sessions' run one after the other on its loop). Each engine's cache
-    event batches are numbered (per incarnation) and applied in that order, a batch that
-    arrives early waiting for the ones before it. Ingress replicas route and release on a
-    connection of their own (`subscribe`): a Ray call took ~1.5 ms on the request path."""
+    calls and its feed sessions' run one after the other on its loop). Ingress replicas route
+    and release on a connection of their own (`subscribe`): a Ray call took ~1.5 ms on the
+    request path. Engines send their cache events the same way (cluster/router_events.py)."""
 
     def __init__(
         self,
@@ -79,7 +78,7 @@ class RouterActor:
             decode_engines,
             max_queued_requests,
         )
-        self._streams: dict[str, _EventStream] = {}
+        self._next_seq: dict[str, int] = {}  # of each engine's cache event batches
         host = host or ray.util.get_node_ip_address()
         self.feeds = FeedServer("router", host, lambda: RouteSession(self))
 
@@ -95,21 +94,15 @@ class RouterActor:
     def apply_events(
         self, engine: str, incarnation: int, seq: int, events: list[dict[str, Any]]
     ) -> None:
-        """Batch `seq` of an engine's incarnation; batches of an older incarnation (sent by
-        an engine that has since died) are dropped."""
-        if incarnation != self.router.incarnations.get(engine):
-            return
-        stream = self._streams.setdefault(engine, _EventStream())
-        stream.pending[seq] = events
-        while stream.next_seq in stream.pending:
-            self.index.apply(engine, stream.pending.pop(stream.next_seq))
-            stream.next_seq += 1
-
-    def applied(self, engine: str, incarnation: int, seq: int) -> bool:
-        """Whether batch `seq` (and every one before it) of that incarnation is applied."""
-        stream = self._streams.get(engine)
+        """Batch `seq` of an engine's incarnation. The engine sends the next only once this
+        one is answered, so none comes early; dropped: batches of an older incarnation (an
+        engine that has since died) and one applied already (resent after its connection
+        broke, the first having landed)."""
         current = incarnation == self.router.incarnations.get(engine)
-        return not current or (stream is not None and stream.next_seq > seq)
+        if not current or seq < self._next_seq.get(engine, 0):
+            return
+        self.index.apply(engine, events)
+        self._next_seq[engine] = seq + 1
 
     def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
         """The route, or {"refused": {"status", "message"}} when no engine takes it now."""
@@ -123,12 +116,12 @@ class RouterActor:
 
     def remove_engine(self, name: str) -> None:
         self.router.remove_engine(name)
-        self._streams.pop(name, None)
+        self._next_seq.pop(name, None)
 
     def add_engine(self, name: str, capacity: int | None, incarnation: int) -> None:
         """A restarted engine (`capacity` None: a prefill engine); its index starts empty."""
         self.router.add_engine(name, capacity=capacity, incarnation=incarnation)
-        self._streams.pop(name, None)
+        self._next_seq.pop(name, None)
         self.index.add_engine(name, block_size=self.block_size, partial_reuse=self.partial_reuse)
 
     def set_policy(self, policy: str) -> None:
@@ -189,15 +182,17 @@ class EngineActor:
                     node_address=ray.util.get_node_ip_address(),
                 ),
             )
-        self.router = router
-        self.incarnation = incarnation
-        self._num_batches = 0  # cache event batches sent to the router (flushes are serial)
-        sink = None
-        if router is not None:
-
-            def sink(engine: str, events: list[dict[str, Any]]) -> None:
-                seq, self._num_batches = self._num_batches, self._num_batches + 1
-                router.apply_events.remote(engine, incarnation, seq, events)
+        # Ray runs an async actor's constructor on its event loop.
+        self.router_events = (
+            None
+            if router is None
+            else RouterEvents(
+                name,
+                incarnation,
+                lambda: EngineFeed("router", router),
+                asyncio.get_running_loop(),
+            )
+        )
 
         # Prefill engines and ingress replicas on other nodes reach this one at its own node's
         # address.
@@ -210,7 +205,7 @@ class EngineActor:
                 if placement is not None
                 else None
             ),
-            event_sink=sink,
+            event_sink=self.router_events.send if self.router_events is not None else None,
             stream_interval=stream_interval,
             transfer_timeout=transfer_timeout,
             transfer_deadline=transfer_deadline,
@@ -243,15 +238,15 @@ class EngineActor:
         """Drop every cached block and snapshot; returns once the router has applied the
         removal events (and every batch before them)."""
         self.worker.clear_cache()
-        if self.router is None or self._num_batches == 0:
+        if self.router_events is None:
             return
-        last = self._num_batches - 1
-        deadline = time.monotonic() + 30
-        name = self.worker.name
-        while not await self.router.applied.remote(name, self.incarnation, last):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {name}: the router did not apply its cache events")
-            await asyncio.sleep(0.01)
+        try:
+            await asyncio.wait_for(self.router_events.applied(), CLEAR_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"engine {self.worker.name}: the router did not apply its cache events "
+                f"within {CLEAR_TIMEOUT_S:.0f} s"
+            ) from None
 
     async def subscribe(self, subscriber: str) -> dict[str, Any]:
         """A FeedTicket: where `subscriber` (an ingress replica) connects to make its calls
@@ -270,3 +265,5 @@ class EngineActor:
     async def shutdown(self) -> None:
         self.feeds.close()
         self.worker.shutdown()
+        if self.router_events is not None:
+            self.router_events.close()

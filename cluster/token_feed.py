@@ -129,7 +129,7 @@ class EngineFeed:
         """A queue for `request_id`'s events, registered before the engine is asked to run
         or stream the request, so none is missed. Raises EngineDied if the engine is gone,
         FeedLost if only this feed broke."""
-        await self._connected()
+        await self.connect()
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
@@ -138,7 +138,7 @@ class EngineFeed:
         """The engine's answer to `method(*args)` (cluster/feed_server.py runs it). Raises
         EngineCallFailed if it answered with an error, EngineDied if the engine is gone,
         FeedLost if only this feed broke. A caller that stops waiting does not stop the call."""
-        await self._connected()
+        await self.connect()
         call_id = next(self._call_ids)
         reply = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
@@ -157,7 +157,9 @@ class EngineFeed:
         if self._writer is not None:
             self._writer.write(frame(call.to_dict()))
 
-    async def _connected(self) -> None:
+    async def connect(self) -> None:
+        """Open the connection now (else its first use opens it). Raises EngineDied if the
+        actor is gone, FeedLost if only the connection failed."""
         if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
             # Outside the current request's Ray task: when a client goes away, Serve cancels

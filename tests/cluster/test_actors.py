@@ -23,16 +23,20 @@ def router_actor(max_queued_requests: int | None = None) -> Any:
     )
 
 
-def remote_router(actor: Any) -> RemoteRouter:
-    """A replica's RemoteRouter, its feed opened with a ticket from the actor's `subscribe`."""
+def router_handle(actor: Any) -> Any:
+    """The actor as its feed's callers reach it over Ray: `subscribe` and `describe`."""
 
     async def describe() -> dict[str, Any]:
         return actor.describe()
 
-    handle = SimpleNamespace(
+    return SimpleNamespace(
         subscribe=SimpleNamespace(remote=actor.subscribe), describe=SimpleNamespace(remote=describe)
     )
-    return RemoteRouter(EngineFeed("router", handle))
+
+
+def remote_router(actor: Any) -> RemoteRouter:
+    """A replica's RemoteRouter, its feed opened with a ticket from the actor's `subscribe`."""
+    return RemoteRouter(EngineFeed("router", router_handle(actor)))
 
 
 async def settled(actor: Any) -> dict[str, int]:

@@ -1,0 +1,140 @@
+"""An engine's cache events to the router (cluster/router_events.py) over the router actor's
+own feed, the actor's class run in process. Oracle: a PrefixIndex fed the same events
+directly, in order."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hybridserve.cluster.orchestrator import FeedLost
+from hybridserve.cluster.prefix_index import PrefixIndex
+from hybridserve.cluster.router_events import RouterEvents
+from hybridserve.cluster.token_feed import EngineFeed
+from hybridserve.workers import Engine, EngineConfig, SamplingParams
+from hybridserve.workers.cache.events import BlockRemoved, BlockStored, event_to_dict
+from tests.cluster.test_actors import router_actor, router_handle
+
+ENGINE = "decode-0"
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+PROMPTS = [[(7 * i + start) % 250 + 1 for i in range(70)] for start in (0, 3)]
+
+
+class Forwarded:
+    """An engine's event sink: each batch to `send` (as the EngineWorker's flush does) and to
+    the oracle index."""
+
+    def __init__(self, send: Any, oracle: PrefixIndex) -> None:
+        self.send, self.oracle = send, oracle
+
+    def on_cache_events(self, events: list[Any]) -> None:
+        batch = [event_to_dict(event) for event in events]
+        self.send(ENGINE, batch)
+        self.oracle.apply(ENGINE, batch)
+
+
+def oracle_index() -> PrefixIndex:
+    index = PrefixIndex()
+    index.add_engine(ENGINE, block_size=16, partial_reuse=False)
+    return index
+
+
+def run(engine: Engine, prompt: list[int]) -> None:
+    engine.add_request(prompt, PARAMS)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def scores(index: PrefixIndex) -> list[dict[str, Any]]:
+    """What the index says the engine would reuse of each prompt."""
+    return [vars(index.score(prompt, None, [ENGINE])[ENGINE]) for prompt in PROMPTS]
+
+
+def test_an_engine_s_events_reach_the_index_in_order_and_applied_waits_for_them():
+    """Batches from the stepping thread (here a thread of asyncio's), a clear's removals
+    last: once `applied()` returns, the router's index is the oracle's."""
+    engine = Engine(EngineConfig(model="tiny", block_size=16, enable_partial_reuse=False))
+    oracle = oracle_index()
+
+    async def scenario() -> list[tuple[list[Any], list[Any]]]:
+        actor = router_actor()
+        events = RouterEvents(
+            ENGINE,
+            0,
+            lambda: EngineFeed("router", router_handle(actor)),
+            asyncio.get_running_loop(),
+        )
+        engine.subscribe(Forwarded(events.send, oracle))
+        for prompt in PROMPTS:
+            await asyncio.to_thread(run, engine, prompt)
+        await asyncio.wait_for(events.applied(), 10)
+        served = (scores(actor.index), scores(oracle))
+        await asyncio.to_thread(engine.clear_cache)
+        await asyncio.wait_for(events.applied(), 10)
+        cleared = (scores(actor.index), scores(oracle))
+        assert events.num_applied == events.num_batches > 2
+        events.close()
+        actor.feeds.close()
+        return [served, cleared]
+
+    served, cleared = asyncio.run(scenario())
+    assert served[0] == served[1] and any(score["attention_tokens"] for score in served[0])
+    assert cleared[0] == cleared[1]  # the clear's removals applied, after all the rest
+    assert not any(score["attention_tokens"] or score["snapshot_tokens"] for score in cleared[0])
+
+
+class Broken:
+    """A connection to the router that broke (the router lives): its call fails."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def connect(self) -> None:
+        pass  # it broke after opening
+
+    async def call(self, method: str, *args: Any) -> Any:
+        self.calls.append(method)
+        raise FeedLost("the token feed from engine router was lost: reset")
+
+
+def test_a_batch_whose_connection_broke_is_resent_on_a_new_one():
+    stored = [event_to_dict(BlockStored(b"x" * 16, b"", 16))]
+    removed = [event_to_dict(BlockRemoved(b"x" * 16))]
+
+    async def scenario() -> tuple[int, int]:
+        actor = router_actor()
+        broken = Broken()
+        feeds: list[Any] = [broken]
+
+        def new_feed() -> Any:
+            return feeds.pop(0) if feeds else EngineFeed("router", router_handle(actor))
+
+        events = RouterEvents(ENGINE, 0, new_feed, asyncio.get_running_loop())
+        events.send(ENGINE, stored)
+        await asyncio.wait_for(events.applied(), 10)  # resent on a new connection
+        held = actor.index.stats().num_blocks
+        events.send(ENGINE, removed)
+        await asyncio.wait_for(events.applied(), 10)
+        events.close()
+        actor.feeds.close()
+        assert broken.calls == ["events"]
+        return held, actor.index.stats().num_blocks
+
+    assert asyncio.run(scenario()) == (1, 0)
+
+
+def test_the_router_drops_batches_applied_already_and_those_of_an_older_incarnation():
+    """A resent batch can land after a later one (its first copy was still in flight on the
+    broken connection): applied twice, it would bring back a removed block."""
+    actor = router_actor()
+    stored = [event_to_dict(BlockStored(b"x" * 16, b"", 16))]
+    removed = [event_to_dict(BlockRemoved(b"x" * 16))]
+    actor.apply_events(ENGINE, 0, 0, stored)
+    actor.apply_events(ENGINE, 0, 1, removed)
+    actor.apply_events(ENGINE, 0, 0, stored)  # the late copy
+    assert actor.index.stats().num_blocks == 0
+    actor.apply_events(ENGINE, -1, 2, stored)  # an incarnation that died
+    assert actor.index.stats().num_blocks == 0
+    actor.apply_events(ENGINE, 0, 2, stored)
+    assert actor.index.stats().num_blocks == 1
+    actor.feeds.close()
