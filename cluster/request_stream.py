@@ -64,6 +64,44 @@ class RequestStream:
         for later in queued:
             self.queue.put_nowait(later)
 
+    def next_event(
+        self, request_id: str, output: RequestOutput, stream_interval: int
+    ) -> TokenEvent | None:
+        """On the stepping thread: the event with the new tokens of `output`'s choice. None
+        while fewer than `stream_interval` new tokens wait, unless nothing was sent yet or
+        the choice ended (an event costs the path to the client more CPU than the step
+        spends on the row: on a small machine, the engine's CPU)."""
+        index = output.index
+        if index == 0 and self.first_output is None:
+            self.first_output = output
+        sent = self.num_sent.get(index, 0)
+        waiting = len(output.token_ids) - sent
+        if output.finish_reason is None and sent > 0 and waiting < stream_interval:
+            return None
+        new, logprobs = output_slice(output, sent)
+        if output.finish_reason is not None:
+            self.finished.add(index)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and index == 0 and sent == 0:
+            prompt_logprobs = [
+                None if lp is None else lp.to_wire() for lp in output.prompt_logprobs
+            ]
+        event = TokenEvent(
+            request_id,
+            sent,
+            new,
+            output.finish_reason,
+            output.num_cached_tokens,
+            output.error,
+            index=index,
+            last=len(self.finished) >= self.num_choices,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        self.num_sent[index] = sent + len(new)
+        self.ended = event.finished
+        return event
+
     def end(self, request_id: str, reason: str, error: str | None = None) -> None:
         """A last event: the request ended (aborted, or failed) for every choice."""
         offset = self.num_sent.get(0, 0)

@@ -524,10 +524,8 @@ class EngineWorker:
                 )
 
     def _deliver(self, output: RequestOutput) -> tuple[RequestStream, TokenEvent] | None:
-        """The new tokens of one choice, as an event for its request's stream; None when
-        there is no stream, or while fewer than `stream_interval` new tokens wait, unless
-        nothing was delivered yet or the choice ended (an event costs the path to the client
-        more CPU than the step spends on the row: on a small machine, the engine's CPU)."""
+        """The new tokens of one choice, as an event for its request's stream
+        (`RequestStream.next_event`); None when there is no stream or nothing to send yet."""
         request_id = output.parent_request_id or output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
@@ -537,39 +535,8 @@ class EngineWorker:
                 with self.lock:
                     self.engine.abort(request_id)
             return None
-        index = output.index
-        if index == 0 and stream.first_output is None:
-            stream.first_output = output
-        sent = stream.num_sent.get(index, 0)
-        if (
-            output.finish_reason is None
-            and sent > 0
-            and len(output.token_ids) - sent < self.stream_interval
-        ):
-            return None
-        new, logprobs = output_slice(output, sent)
-        if output.finish_reason is not None:
-            stream.finished.add(index)
-        prompt_logprobs = None
-        if output.prompt_logprobs is not None and index == 0 and sent == 0:
-            prompt_logprobs = [
-                None if lp is None else lp.to_wire() for lp in output.prompt_logprobs
-            ]
-        event = TokenEvent(
-            request_id,
-            sent,
-            new,
-            output.finish_reason,
-            output.num_cached_tokens,
-            output.error,
-            index=index,
-            last=len(stream.finished) >= stream.num_choices,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
-        stream.num_sent[index] = sent + len(new)
-        stream.ended = event.finished
-        return stream, event
+        event = stream.next_event(request_id, output, self.stream_interval)
+        return None if event is None else (stream, event)
 
     def _ship(self, handoff: Handoff) -> None:
         request_id = handoff.request.request_id
