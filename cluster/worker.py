@@ -3,10 +3,12 @@
 A plain class (tested without Ray); `cluster/actors.py` wraps it in a Ray actor. Threads:
 
     stepping thread   builds the engine, then engine.step() under the lock, turns outputs
-                      into TokenEvents for the request streams, flushes cache events to the
-                      index, hands prefilled requests to the sender of their decode peer
-    sender threads    (prefill) one per decode peer: TransferSender.send, blocking
-    receiver thread   (decode) TransferReceiver: lands transfers, under the same lock
+                      into TokenEvents for the request streams, hands cache events to the
+                      event sink, and prefilled requests to the senders of their decode peer
+    sender threads    (prefill) `transfer_links_per_peer` per decode peer:
+                      TransferSender.send, blocking
+    receiver threads  (decode) TransferReceiver, one per link: lands transfers, under the
+                      same lock, each once its request is expected here
     event loop        the caller's asyncio loop: the request coroutines below
 
 (The senders, the receiver and the shard links are `cluster/transfer_links.py`'s.)
@@ -24,6 +26,7 @@ step's events reach it at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -48,8 +51,10 @@ logger = logging.getLogger(__name__)
 PREFILL_TOKENS = 1
 
 # How long a transfer that arrives ahead of its request's expect waits for it before it is
-# refused (expect goes out with the prefill; it lands first but for a stalled event loop).
+# refused (expect goes out with the prefill, and lands first unless the event loop stalls).
 EXPECT_WAIT_S = 2.0
+# Streams closed lately, for a transfer that arrives after its request went (not to wait).
+NUM_CLOSED_REMEMBERED = 4096
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
 EventSink = Callable[[str, list[dict[str, Any]]], None]
@@ -80,7 +85,8 @@ class EngineWorker:
         self.stream_interval = stream_interval
         self.lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._expected = threading.Condition()  # a stream opened by expect
+        self._expected = threading.Condition()  # a stream opened by expect, or closed
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._event_sink = event_sink
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
@@ -230,9 +236,20 @@ class EngineWorker:
 
     def _wait_expected(self, request_id: str) -> bool:
         """On a transfer link: whether `request_id` is expected here, waiting up to
-        EXPECT_WAIT_S for its expect (the caller sends it and the prefill at once)."""
+        EXPECT_WAIT_S for its expect (the caller sends it and the prefill at once), unless
+        its stream has come and gone (its caller left)."""
         with self._expected:
-            return self._expected.wait_for(lambda: request_id in self._streams, EXPECT_WAIT_S)
+            self._expected.wait_for(
+                lambda: request_id in self._streams or request_id in self._closed, EXPECT_WAIT_S
+            )
+            return request_id in self._streams
+
+    def _stream_closed(self, request_id: str) -> None:
+        with self._expected:
+            self._closed[request_id] = None
+            if len(self._closed) > NUM_CLOSED_REMEMBERED:
+                self._closed.popitem(last=False)
+            self._expected.notify_all()
 
     async def recover(self, request: GenerateRequest, delivered: int, reason: str) -> None:
         """Decode role: the transfer of an expected request failed on the prefill side (or
@@ -387,6 +404,7 @@ class EngineWorker:
             # whose transfer has not landed, or whose follower was cancelled before it
             # started); a follower still gets the abort. (prefill() closes its own stream.)
             del self._streams[request_id]
+            self._stream_closed(request_id)
             if not stream.ended:
                 stream.end(request_id, "abort")
         elif output is not None and stream is not None:
@@ -430,6 +448,7 @@ class EngineWorker:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._stream_closed(request_id)
         if not stream.ended:
             self._abort(request_id)
         stream.settle(PrefillResult(request_id, "error", detail="the request was closed"))

@@ -319,11 +319,9 @@ class TransferSender:
         timeout: float = 30.0,
         deadline: float = 60.0,
         shards: EngineShards | None = None,
-        admit: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
-        self.admit = admit
         self.backend = backend
         self.peer_address = peer_address
         self.auth = PeerAuth(secret)

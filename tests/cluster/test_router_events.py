@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hybridserve.cluster.orchestrator import FeedLost
+import pytest
+
+from hybridserve.cluster.orchestrator import EngineDied, FeedLost
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router_events import RouterEvents
 from hybridserve.cluster.token_feed import EngineFeed
@@ -83,58 +85,95 @@ def test_an_engine_s_events_reach_the_index_in_order_and_applied_waits_for_them(
     assert not any(score["attention_tokens"] or score["snapshot_tokens"] for score in cleared[0])
 
 
-class Broken:
-    """A connection to the router that broke (the router lives): its call fails."""
+STORED = [event_to_dict(BlockStored(b"x" * 16, b"", 16))]
+REMOVED = [event_to_dict(BlockRemoved(b"x" * 16))]
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+
+class Breaks:
+    """A connection to the router that breaks (the router lives) on the first call through
+    it, after the call went out (`lands`) or before."""
+
+    def __init__(self, feed: EngineFeed, lands: bool) -> None:
+        self.feed, self.lands = feed, lands
+        self.calls: list[int] = []  # the seq of each call
 
     async def connect(self) -> None:
-        pass  # it broke after opening
+        await self.feed.connect()
 
     async def call(self, method: str, *args: Any) -> Any:
-        self.calls.append(method)
+        self.calls.append(args[2])
+        if self.lands:
+            await self.feed.call(method, *args)
         raise FeedLost("the token feed from engine router was lost: reset")
 
 
-def test_a_batch_whose_connection_broke_is_resent_on_a_new_one():
-    stored = [event_to_dict(BlockStored(b"x" * 16, b"", 16))]
-    removed = [event_to_dict(BlockRemoved(b"x" * 16))]
+def test_a_batch_is_resent_on_a_new_connection_under_its_number_until_answered():
+    """Its first connection breaks before the call goes out, the second after it landed (its
+    answer lost): the third carries it again, and the router drops that copy."""
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[list[Breaks], int, int, int]:
         actor = router_actor()
-        broken = Broken()
-        feeds: list[Any] = [broken]
+        broken = [
+            Breaks(EngineFeed("router", router_handle(actor)), lands) for lands in (False, True)
+        ]
+        feeds: list[Any] = list(broken)
 
         def new_feed() -> Any:
             return feeds.pop(0) if feeds else EngineFeed("router", router_handle(actor))
 
         events = RouterEvents(ENGINE, 0, new_feed, asyncio.get_running_loop())
-        events.send(ENGINE, stored)
-        await asyncio.wait_for(events.applied(), 10)  # resent on a new connection
+        events.send(ENGINE, STORED)
+        await asyncio.wait_for(events.applied(), 10)
         held = actor.index.stats().num_blocks
-        events.send(ENGINE, removed)
+        events.send(ENGINE, REMOVED)
         await asyncio.wait_for(events.applied(), 10)
         events.close()
         actor.feeds.close()
-        assert broken.calls == ["events"]
-        return held, actor.index.stats().num_blocks
+        return broken, held, actor.index.stats().num_blocks, actor._next_seq[ENGINE]
 
-    assert asyncio.run(scenario()) == (1, 0)
+    broken, held, left, next_seq = asyncio.run(scenario())
+    assert [b.calls for b in broken] == [[0], [0]]
+    assert (held, left, next_seq) == (1, 0, 2)  # two calls applied, the copy dropped
+
+
+class Gone:
+    """The router's connection once the router is gone."""
+
+    reading = None  # no connection to close
+
+    async def connect(self) -> None:
+        raise EngineDied("router")
+
+    async def call(self, method: str, *args: Any) -> Any:
+        raise EngineDied("router")
+
+
+def test_once_the_router_is_gone_applied_raises_and_later_batches_are_dropped():
+    async def scenario() -> RouterEvents:
+        events = RouterEvents(ENGINE, 0, Gone, asyncio.get_running_loop())
+        events.send(ENGINE, STORED)
+        with pytest.raises(RuntimeError, match="cache events stopped: engine router died"):
+            await asyncio.wait_for(events.applied(), 10)
+        events.send(ENGINE, REMOVED)
+        await asyncio.sleep(0.01)
+        events.close()
+        return events
+
+    events = asyncio.run(scenario())
+    assert events.stopped is not None and events._events == []
 
 
 def test_the_router_drops_batches_applied_already_and_those_of_an_older_incarnation():
-    """A resent batch can land after a later one (its first copy was still in flight on the
-    broken connection): applied twice, it would bring back a removed block."""
+    """A copy of a batch can reach the router after a later batch: the first copy was still
+    unread on a connection that broke, and the resent one was answered first. Applied
+    twice, it would bring back a removed block."""
     actor = router_actor()
-    stored = [event_to_dict(BlockStored(b"x" * 16, b"", 16))]
-    removed = [event_to_dict(BlockRemoved(b"x" * 16))]
-    actor.apply_events(ENGINE, 0, 0, stored)
-    actor.apply_events(ENGINE, 0, 1, removed)
-    actor.apply_events(ENGINE, 0, 0, stored)  # the late copy
+    actor.apply_events(ENGINE, 0, 0, STORED)
+    actor.apply_events(ENGINE, 0, 1, REMOVED)
+    actor.apply_events(ENGINE, 0, 0, STORED)  # the late copy
     assert actor.index.stats().num_blocks == 0
-    actor.apply_events(ENGINE, -1, 2, stored)  # an incarnation that died
+    actor.apply_events(ENGINE, -1, 2, STORED)  # an incarnation that died
     assert actor.index.stats().num_blocks == 0
-    actor.apply_events(ENGINE, 0, 2, stored)
+    actor.apply_events(ENGINE, 0, 2, STORED)
     assert actor.index.stats().num_blocks == 1
     actor.feeds.close()

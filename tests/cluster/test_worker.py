@@ -448,6 +448,23 @@ def test_a_transfer_nobody_expects_is_refused_and_holds_nothing(pair, monkeypatc
     assert_idle_at_baseline(prefill, decode)
 
 
+def test_a_transfer_of_a_request_whose_caller_left_is_refused_at_once(pair, monkeypatch):
+    """Its stream came (expect) and went (release) before the transfer arrived: the link
+    does not wait for an expect that will not come."""
+    prefill, decode = pair
+    monkeypatch.setattr(worker_module, "EXPECT_WAIT_S", 60.0)
+
+    async def left() -> list[TokenEvent | PrefillResult]:
+        req = request()
+        await decode.expect(req.request_id)
+        await decode.release(req.request_id)
+        return [message async for message in prefill.prefill(req, decode.address)]
+
+    _, result = asyncio.run(asyncio.wait_for(left(), 20))
+    assert result.status == "transfer_failed" and "not_expected" in result.detail
+    assert_idle_at_baseline(prefill, decode)
+
+
 def test_an_invalid_request_is_an_error_event_not_a_crash(pair):
     prefill, decode = pair
     bad = request(prompt=[*PROMPT, 10_000])  # outside the vocabulary
