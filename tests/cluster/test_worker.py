@@ -17,6 +17,7 @@ import torch
 from hybridserve.cluster import worker as worker_module
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost, Orchestrator
+from hybridserve.cluster.token_feed import EngineCallFailed
 from hybridserve.cluster.worker import EngineUnavailable, EngineWorker
 from hybridserve.workers import LLM, EngineConfig, SamplingParams
 from tests.helpers import TRANSFER_SECRET
@@ -463,6 +464,36 @@ def test_a_transfer_of_a_request_whose_caller_left_is_refused_at_once(pair, monk
     _, result = asyncio.run(asyncio.wait_for(left(), 20))
     assert result.status == "transfer_failed" and "not_expected" in result.detail
     assert_idle_at_baseline(prefill, decode)
+
+
+class RefusesToExpect:
+    """The decode engine, refusing the request's expect (the prefill is under way by then)."""
+
+    def __init__(self, decode: EngineWorker) -> None:
+        self.decode = decode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decode, name)
+
+    async def expect(self, request_id: str, num_choices: int = 1) -> None:
+        raise EngineCallFailed(f"engine decode: ValueError: request id {request_id!r} is in use")
+
+
+def test_a_refused_expect_ends_the_request_and_aborts_its_prefill(pair):
+    prefill, decode = pair
+    router = FixedRoute("prefill", "decode")
+
+    async def died(name: str) -> None:
+        raise AssertionError(f"{name} reported dead")
+
+    async def scenario() -> None:
+        engines = {"prefill": prefill, "decode": RefusesToExpect(decode)}
+        with pytest.raises(EngineCallFailed, match="is in use"):
+            await collect(Orchestrator(router, engines, died).run(request(max_tokens=400)))
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert router.held == []
+    assert_settled_at_baseline(prefill, decode)
 
 
 def test_an_invalid_request_is_an_error_event_not_a_crash(pair):
