@@ -46,8 +46,6 @@ class RouteSession(FeedSession):
 # calls that has not arrived (a gap in Ray's per-caller sequence stalls an in-order actor for
 # 30 s, which bursts of requests with client disconnects provoked). Nothing whose order
 # matters comes by Ray: cache events come on the engines' feeds, numbered.
-
-
 @ray.remote(allow_out_of_order_execution=True)
 class RouterActor:
     """One per service, one call at a time (an async actor whose methods never await: its
