@@ -20,6 +20,7 @@ and is not safe from several receiving threads).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -34,6 +35,10 @@ from hybridserve.transceiver.channel import Channel, TransferFailed
 
 logger = logging.getLogger(__name__)
 
+# Receives given up lately, whose parts are dropped if they still arrive (else they would wait
+# in the inbox until the peer's last link closed, a long-lived peer gathering them).
+NUM_ABANDONED_REMEMBERED = 4096
+
 
 def split_parts(copies: list[RegionCopy], num_streams: int) -> list[list[RegionCopy]]:
     """Up to `num_streams` contiguous, non-empty runs of `copies`, sizes differing by <= 1
@@ -44,6 +49,11 @@ def split_parts(copies: list[RegionCopy], num_streams: int) -> list[list[RegionC
 
 def part_tag(request_id: str, part: int, num_parts: int) -> bytes:
     return f"{request_id}#{part}/{num_parts}".encode()
+
+
+def _request_of(tag: bytes) -> bytes:
+    """A part tag's request: what precedes its last "#" (a request id may hold one too)."""
+    return tag[: tag.rfind(b"#")]
 
 
 class NixlBackend(TransferBackend):
@@ -82,6 +92,7 @@ class NixlBackend(TransferBackend):
         # Stream threads per peer: a slow or dead peer holds only its own (until its timeout).
         self._streams: dict[str, ThreadPoolExecutor] = {}
         self._inbox: dict[str, set[bytes]] = {}  # peer -> notifications not yet taken
+        self._abandoned: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._inbox_lock = threading.Lock()
         tensors = list(pools.tensors().values())
         self.on_gpu = any(t.is_cuda for t in tensors)
@@ -240,6 +251,8 @@ class NixlBackend(TransferBackend):
             for name, messages in self.agent.get_new_notifs().items():
                 if isinstance(name, bytes):
                     name = name.decode()
+                if self._abandoned:
+                    messages = [m for m in messages if _request_of(m) not in self._abandoned]
                 self._inbox.setdefault(name, set()).update(messages)
             inbox = self._inbox.get(peer)
             if inbox is None or tag not in inbox:
@@ -248,11 +261,15 @@ class NixlBackend(TransferBackend):
             return True
 
     def _drop_notifications(self, peer: str, request_id: str) -> None:
-        """A failed receive: forget the parts that did arrive (no one will take them)."""
-        prefix = f"{request_id}#".encode()
+        """A failed receive: forget the parts that did arrive and those still to come (no one
+        will take them)."""
+        prefix = _request_of(part_tag(request_id, 0, 1))
         with self._inbox_lock:
             inbox = self._inbox.get(peer, set())
-            inbox.difference_update({m for m in inbox if m.startswith(prefix)})
+            inbox.difference_update({m for m in inbox if _request_of(m) == prefix})
+            self._abandoned[prefix] = None
+            if len(self._abandoned) > NUM_ABANDONED_REMEMBERED:
+                self._abandoned.popitem(last=False)
 
     def remove_peer(self, peer: str) -> None:
         """One link to `peer` closed; the last one forgets it."""

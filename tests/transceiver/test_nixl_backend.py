@@ -174,6 +174,18 @@ def test_completions_match_request_ids_exactly(linked):
     receiver.receive(None, from_sender, "xr-1", copies(pairs), timeout=1)  # still there
 
 
+def test_parts_of_a_receive_given_up_are_dropped_when_they_arrive_late(linked):
+    """The receive timed out before the sender wrote: its parts, arriving afterwards, do not
+    wait in the inbox for a receive that will never come."""
+    _, receiver, _, from_sender = linked
+    pairs = [(0, 0), (1, 1)]
+    with pytest.raises(TransferFailed, match="no NIXL completion"):
+        receiver.receive(None, from_sender, "late#1", copies(pairs), timeout=0.05)
+    send_while_receiving(linked, "late#1", "late#1x", pairs, timeout=0.5)  # the late parts
+    assert send_while_receiving(linked, "next", "next", pairs, timeout=10) == []
+    assert receiver._inbox[from_sender] == set()
+
+
 def test_errors_nixl_raises_become_transfer_failures(linked, monkeypatch):
     sender, _, to_receiver, _ = linked
 
