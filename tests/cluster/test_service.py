@@ -338,7 +338,9 @@ def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
     with pytest.raises(openai.APIError, match="died"):
         for _ in chunks:
             pass
-    survivor = client(service).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    survivor = client(service).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert survivor.choices[0].finish_reason == "length"
     assert victim not in service.engines()
     router = service.topology()["router"]
@@ -365,7 +367,9 @@ def test_zzz_the_killed_engine_is_restarted_and_serves_again(service):
     router = topology["router"]
     prompts = [[7 + i, *range(60, 100)] for i in range(4)]  # fresh: no engine holds them
     for prompt in prompts:  # no reuse anywhere: ties go round both decode engines
-        result = client(service).completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        result = client(service).completions.create(
+            model="tiny", prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True}
+        )
         assert result.choices[0].finish_reason == "length"
     salt = derive_cache_salt("tenant-a", None)  # the tenant of API_KEY
     scores = [ray.get(router.score.remote(p, salt)) for p in prompts]

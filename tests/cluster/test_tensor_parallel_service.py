@@ -137,6 +137,8 @@ def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_se
     assert victim in ray.get(router.stats.remote())["engines"]
     restarted = tp_service.engines()[victim]
     assert len(ray.get(restarted.rank_actors.remote())) == 1
-    probe = client(tp_service).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    probe = client(tp_service).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert probe.choices[0].finish_reason == "length"
     assert_at_baseline(tp_service)
