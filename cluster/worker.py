@@ -245,6 +245,8 @@ class EngineWorker:
             return request_id in self._streams
 
     def _stream_closed(self, request_id: str) -> None:
+        if self.role != "decode":
+            return  # no transfer waits for a stream here
         with self._expected:
             self._closed[request_id] = None
             if len(self._closed) > NUM_CLOSED_REMEMBERED:

@@ -263,11 +263,11 @@ class NixlBackend(TransferBackend):
     def _drop_notifications(self, peer: str, request_id: str) -> None:
         """A failed receive: forget the parts that did arrive and those still to come (no one
         will take them)."""
-        prefix = _request_of(part_tag(request_id, 0, 1))
+        request = request_id.encode()
         with self._inbox_lock:
             inbox = self._inbox.get(peer, set())
-            inbox.difference_update({m for m in inbox if _request_of(m) == prefix})
-            self._abandoned[prefix] = None
+            inbox.difference_update({m for m in inbox if _request_of(m) == request})
+            self._abandoned[request] = None
             if len(self._abandoned) > NUM_ABANDONED_REMEMBERED:
                 self._abandoned.popitem(last=False)
 
