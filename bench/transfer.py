@@ -26,7 +26,7 @@ is warmed up, then repeated; best and median are kept, and the table shows the b
 transferred region is verified (destinations are zeroed first), so a backend that skips bytes
 fails the run instead of reporting a figure. Without nixl the NIXL column says so and is
 skipped. Pools and the memcpy buffers come from the engine's allocator
-(`workers.pool_memory.zeroed_pool`: 2 MiB aligned, on transparent huge pages where the kernel
+(`workers.host_memory.zeroed_pool`: 2 MiB aligned, on transparent huge pages where the kernel
 allows), so the ceiling and the backends copy the same kind of memory.
 
 `--tp 2` (a second table): prefill TP 2 -> decode TP 1, as engines of different TP sizes move
@@ -62,7 +62,7 @@ from hybridserve.transceiver.protocol import ReceivePlan, TransferDone
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.transceiver.tp_mapping import RegionShape, plan, region_pieces
 from hybridserve.workers.config import EngineConfig
-from hybridserve.workers.pool_memory import zeroed_pool
+from hybridserve.workers.host_memory import zeroed_pool
 
 MIB = 1 << 20
 CPU = torch.device("cpu")

@@ -10,6 +10,7 @@ the team (each read once for every decode row), the small ops between them split
 channel, head or group, and the team meets at one barrier per op (3-6 per layer):
 
     embed -> per layer: RMSNorm -> mixer -> hidden += residual_multiplier * out -> final norm
+          -> LM head (/ logits_divisor)
 
     mamba:      in_proj -> conv update (state shifted in place) -> SSM update per head
                 (`ssm_update_head`, shared with kernels/cpu_state_update.py) -> gated
@@ -20,7 +21,7 @@ channel, head or group, and the team meets at one barrier per op (3-6 per layer)
 
 The model is described once (`Model`, `Layer`: weight pointers and sizes, built by
 workers/native_decode.py); a step (`Step`) passes each row's token, context length, block
-table and Mamba slot, and gets the final-normed hidden states. fp32 weights and states only.
+table and Mamba slot, and gets the logits. fp32 weights and states only.
 Up to two rows, as the C mat-vec (kernels/cpu_gemm.py: from four rows oneDNN's packed GEMM is
 faster than a loop of dot products).
 """
@@ -63,7 +64,8 @@ typedef struct {
     int64_t num_layers, hidden_size;
     const Layer *layers;
     const float *embed, *final_norm;
-    float embedding_multiplier, residual_multiplier, norm_eps;
+    Linear lm_head;
+    float embedding_multiplier, residual_multiplier, norm_eps, logits_divisor;
     float *conv_pool;
     int64_t conv_slot_stride, conv_layer_stride;
     float *ssm_pool;
@@ -85,8 +87,11 @@ typedef struct {
     const int64_t *slots;    /* (rows,) Mamba slots */
 } Step;
 
-static inline float row(const Linear *l, int64_t o, const float *x) {
-    return dot(l->weight + o * l->cols, x, l->cols) + (l->bias ? l->bias[o] : 0.0f);
+/* y[j] = row o + j of l times x, plus its bias, for the count (<= 4) rows from o. */
+static inline void rows_of(const Linear *l, int64_t o, int64_t count, const float *x, float *y) {
+    dot_rows(l->weight + o * l->cols, count, l->cols, x, y);
+    if (l->bias)
+        for (int64_t j = 0; j < count; ++j) y[j] += l->bias[o + j];
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -113,19 +118,24 @@ static void rms_norm(const float *x, const float *weight, int64_t n, float eps, 
 }
 
 /* Row r of y = the `count` projections of row r of x (hidden_size apart) laid end to end
-   (projected_size apart). Each weight row is read once for every decode row; the weight rows
-   are shared over the team in shrinking pieces (a VM's threads often run at different
-   speeds). */
+   (projected_size apart). The weights go four rows at a time (`dot_rows`), each read once
+   for every decode row; the pieces of four are shared over the team in shrinking runs (a
+   VM's threads often run at different speeds). */
 static void project(const Model *m, const Linear *ls, int64_t count, const float *x, float *y,
                     int64_t rows) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < count; ++i) total += ls[i].rows;
-#pragma omp for schedule(guided, 32)
-    for (int64_t o = 0; o < total; ++o) {
-        int64_t i = 0, w = o;
-        while (w >= ls[i].rows) w -= ls[i++].rows;
+    int64_t pieces = 0;
+    for (int64_t i = 0; i < count; ++i) pieces += (ls[i].rows + 3) / 4;
+#pragma omp for schedule(guided, 8)
+    for (int64_t p = 0; p < pieces; ++p) {
+        /* piece p: rows 4k.. of projection i, which starts at `at` in y's row */
+        int64_t i = 0, k = p, at = 0;
+        while (k >= (ls[i].rows + 3) / 4) {
+            k -= (ls[i].rows + 3) / 4;
+            at += ls[i++].rows;
+        }
+        const int64_t o = 4 * k, n = ls[i].rows - o < 4 ? ls[i].rows - o : 4;
         for (int64_t r = 0; r < rows; ++r)
-            y[r * m->projected_size + o] = row(&ls[i], w, x + r * m->hidden_size);
+            rows_of(&ls[i], o, n, x + r * m->hidden_size, y + r * m->projected_size + at + o);
     }
 }
 
@@ -133,11 +143,14 @@ static void project(const Model *m, const Linear *ls, int64_t count, const float
    output projection. */
 static void project_residual(const Model *m, const Linear *l, const float *x, int64_t rows) {
     const float multiplier = m->residual_multiplier;
-#pragma omp for schedule(guided, 32)
-    for (int64_t o = 0; o < l->rows; ++o) {
+#pragma omp for schedule(guided, 8)
+    for (int64_t o = 0; o < l->rows; o += 4) {
+        const int64_t n = l->rows - o < 4 ? l->rows - o : 4;
         for (int64_t r = 0; r < rows; ++r) {
-            const float out = row(l, o, x + r * m->mixed_size);
-            m->hidden[r * m->hidden_size + o] += multiplier == 1.0f ? out : out * multiplier;
+            float out[4];
+            rows_of(l, o, n, x + r * m->mixed_size, out);
+            for (int64_t j = 0; j < n; ++j)
+                m->hidden[r * m->hidden_size + o + j] += multiplier * out[j];
         }
     }
 }
@@ -256,25 +269,30 @@ static void mlp(const Model *m, const Layer *l, const Step *step) {
     const Linear *in = &l->in[0];
     const int64_t size = l->gated ? in->rows / 2 : in->rows, rows = step->rows;
     rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
-#pragma omp for schedule(guided, 32)
-    for (int64_t o = 0; o < size; ++o) {
+#pragma omp for schedule(guided, 8)
+    for (int64_t o = 0; o < size; o += 4) {
+        const int64_t n = size - o < 4 ? size - o : 4;
         for (int64_t r = 0; r < rows; ++r) {
             const float *x = m->normed + r * m->hidden_size;
-            const float first = activate(row(in, o, x), l->activation);
-            m->mixed[r * m->mixed_size + o] = l->gated ? first * row(in, size + o, x) : first;
+            float *y = m->mixed + r * m->mixed_size + o;
+            float up[4]; /* gated: y is the gate, then act(gate) * up */
+            rows_of(in, o, n, x, y);
+            if (l->gated) rows_of(in, size + o, n, x, up);
+            for (int64_t j = 0; j < n; ++j)
+                y[j] = activate(y[j], l->activation) * (l->gated ? up[j] : 1.0f);
         }
     }
     project_residual(m, &l->out, m->mixed, rows);
 }
 
-/* The step's decode rows, `tokens` (rows,); writes their final-normed hidden states
-   (rows, hidden_size) to `out`. */
+/* The step's decode rows, `tokens` (rows,); writes their logits (rows, lm_head rows), divided
+   by logits_divisor, to `out`. */
 void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float *out) {
-    const int64_t H = m->hidden_size;
+    const int64_t H = m->hidden_size, vocab = m->lm_head.rows, rows = step->rows;
 #pragma omp parallel
     {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t r = 0; r < step->rows; ++r)
+        for (int64_t r = 0; r < rows; ++r)
             for (int64_t i = 0; i < H; ++i)
                 m->hidden[r * H + i] = m->embed[tokens[r] * H + i] * m->embedding_multiplier;
         for (int64_t i = 0; i < m->num_layers; ++i) {
@@ -286,7 +304,17 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
             else
                 mlp(m, l, step);
         }
-        rms_norm(m->hidden, m->final_norm, H, m->norm_eps, out, step->rows);
+        rms_norm(m->hidden, m->final_norm, H, m->norm_eps, m->normed, rows);
+#pragma omp for schedule(guided, 8)
+        for (int64_t o = 0; o < vocab; o += 4) {
+            const int64_t n = vocab - o < 4 ? vocab - o : 4;
+            for (int64_t r = 0; r < rows; ++r) {
+                float *y = out + r * vocab + o;
+                rows_of(&m->lm_head, o, n, m->normed + r * H, y);
+                if (m->logits_divisor != 1.0f)
+                    for (int64_t j = 0; j < n; ++j) y[j] /= m->logits_divisor;
+            }
+        }
     }
 }
 """
@@ -334,8 +362,9 @@ class Model(ctypes.Structure):
         ("layers", ctypes.POINTER(Layer)),
         ("embed", _float_p),
         ("final_norm", _float_p),
+        ("lm_head", Linear),
         *((name, ctypes.c_float) for name in ("embedding_multiplier", "residual_multiplier")),
-        ("norm_eps", ctypes.c_float),
+        *((name, ctypes.c_float) for name in ("norm_eps", "logits_divisor")),
         ("conv_pool", _float_p),
         ("conv_slot_stride", ctypes.c_int64),
         ("conv_layer_stride", ctypes.c_int64),

@@ -1,10 +1,10 @@
 """Small decode steps on the CPU as one C call (kernels/cpu_decode_step.py).
 
 The model runner sends a step here when it is one or two decode rows (one or two requests
-generating); every other step runs as before (compiled or eager). The C kernel gets the model
-once, as a table of weight pointers and sizes built from the loaded modules, and the pools'
-addresses and strides; a step passes each row's token, context length, block table and Mamba
-slot.
+generating); the call returns their logits, the LM head included. Every other step runs as
+before (compiled or eager). The C kernel gets the model once, as a table of weight pointers
+and sizes built from the loaded modules, and the pools' addresses and strides; a step passes
+each row's token, context length, block table and Mamba slot.
 
 It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
 attention (with or without RoPE) and dense MLPs; `NativeDecode.build` says why not otherwise
@@ -57,7 +57,7 @@ class NativeDecode:
             raise Unsupported(f"tensor_parallel_size {model.parallel.tp_size}")
         self._keep: list[torch.Tensor] = []  # tensors made here whose addresses the C side holds
         config = model.config
-        self.hidden_size = config.hidden_size
+        self.vocab_size = model.lm_head_weight.shape[0]  # at tensor_parallel_size 1, unpadded
         layers = [self._layer(sublayer) for sublayer in model.layers]
         self._layers = (Layer * len(layers))(*layers)
         projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
@@ -70,9 +70,11 @@ class NativeDecode:
             layers=self._layers,
             embed=self._pointer(model.embed.weight),
             final_norm=self._pointer(model.final_norm.weight),
+            lm_head=self._linear(model.lm_head_weight, None),
             embedding_multiplier=config.embedding_multiplier,
             residual_multiplier=config.residual_multiplier,
             norm_eps=config.norm_eps,
+            logits_divisor=config.logits_divisor,
             **_pool_fields(caches),
             hidden=scratch[0],
             normed=scratch[1],
@@ -82,6 +84,14 @@ class NativeDecode:
             mixed_size=mixed,
         )
         self._model_pointer = ctypes.pointer(self.model_table)
+        # A step's inputs, in buffers kept from step to step that the step's table points at
+        # (building them anew cost ~0.1 ms a step); the block tables' buffer grows with the
+        # longest table.
+        self._tokens, self._seq_lens, self._slots = (np.zeros(MAX_ROWS, np.int64) for _ in range(3))
+        self._tables = np.zeros((MAX_ROWS, 0), dtype=np.int64)
+        self._step = Step(0, self._seq_lens.ctypes.data, None, 0, self._slots.ctypes.data)
+        self._step_pointer = ctypes.pointer(self._step)
+        self._tokens_address = self._tokens.ctypes.data
         self.num_steps = self.num_rows = 0  # steps run here, and their decode rows
 
     @classmethod
@@ -99,24 +109,28 @@ class NativeDecode:
         return native
 
     def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The final-normed hidden states (rows, hidden) of up to MAX_ROWS decode rows, in
-        order; their states and KV slots are written as the model's step writes them."""
+        """The float32 logits (rows, vocab) of up to MAX_ROWS decode rows, in order, as
+        `compute_logits` gives them; their states and KV slots are written as the model's step
+        writes them."""
         rows = len(chunks)
         if not (1 <= rows <= MAX_ROWS and all(c.is_decode for c in chunks)):
             # The scratch holds MAX_ROWS rows: more would write past it.
             raise ValueError(f"a native step takes 1 to {MAX_ROWS} decode rows, not {rows}")
         width = max(len(c.block_ids) for c in chunks)
-        tables = np.zeros((rows, width), dtype=np.int64)
+        if width > self._tables.shape[1]:
+            self._tables = np.zeros((MAX_ROWS, 2 * width), dtype=np.int64)
+            self._step.tables, self._step.width = self._tables.ctypes.data, 2 * width
         for r, chunk in enumerate(chunks):
-            tables[r, : len(chunk.block_ids)] = chunk.block_ids
-        seq_lens = np.array([c.end for c in chunks], dtype=np.int64)
-        slots = np.array([c.slot for c in chunks], dtype=np.int64)
-        tokens = np.array([c.token_ids[0] for c in chunks], dtype=np.int64)
-        step = Step(rows, seq_lens.ctypes.data, tables.ctypes.data, width, slots.ctypes.data)
-        out = torch.empty((rows, self.hidden_size), dtype=torch.float32)
+            # A table's entries past its own length are stale: the kernel reads a row's
+            # blocks up to its context only.
+            self._tables[r, : len(chunk.block_ids)] = chunk.block_ids
+            self._seq_lens[r], self._slots[r] = chunk.end, chunk.slot
+            self._tokens[r] = chunk.token_ids[0]
+        self._step.rows = rows
+        out = torch.empty((rows, self.vocab_size), dtype=torch.float32)
         self.num_steps += 1
         self.num_rows += rows
-        self.kernel(self._model_pointer, ctypes.byref(step), tokens.ctypes.data, out.data_ptr())
+        self.kernel(self._model_pointer, self._step_pointer, self._tokens_address, out.data_ptr())
         return out
 
     # ---- the model's table ------------------------------------------------------------------

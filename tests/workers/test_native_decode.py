@@ -53,6 +53,12 @@ SHAPES = {
     ),
     # head size 128 (the other unrolled path)
     "nemotron_h_head_128": ("nemotron_h", {"layers_block_type": DENSE_NEMOTRON, "head_dim": 128}),
+    # projections whose rows are not a multiple of four (the mat-vec's piece): in_proj
+    # 2 * 48 + 2 * 2 * 16 + 6 = 166 rows, the MLP's up 94
+    "nemotron_h_odd_rows": (
+        "nemotron_h",
+        {"layers_block_type": DENSE_NEMOTRON, "mamba_num_heads": 6, "intermediate_size": 94},
+    ),
     # no Mamba pools
     "attention_only": ("nemotron_h", {"layers_block_type": ["full_attention", "mlp"] * 2}),
     # RoPE attention, gated silu MLP

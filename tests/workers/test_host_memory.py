@@ -1,5 +1,5 @@
-"""Host state pools: zeroed, the right shape and dtype, 2 MiB aligned, and advised onto
-transparent huge pages."""
+"""Host memory: state pools zeroed, the right shape and dtype, 2 MiB aligned and advised onto
+transparent huge pages; weights moved there with their values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from hybridserve.workers.pool_memory import HUGE_PAGE_BYTES, zeroed_pool
+from hybridserve.workers.host_memory import HUGE_PAGE_BYTES, place_on_huge_pages, zeroed_pool
 
 CPU = torch.device("cpu")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -48,9 +49,12 @@ def test_large_pool_starts_on_a_huge_page_boundary() -> None:
     assert pool.data_ptr() % HUGE_PAGE_BYTES == 0
 
 
-@pytest.mark.skipif(
+THP_ON = pytest.mark.skipif(
     not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off"
 )
+
+
+@THP_ON
 def test_large_pool_is_advised_for_huge_pages() -> None:
     """The whole pool sits in a mapping advised MADV_HUGEPAGE ("hg"): under THP=madvise an
     unadvised allocation gets 4 KiB pages only. Whether the kernel finds 2 MiB of contiguous
@@ -62,3 +66,41 @@ def test_large_pool_is_advised_for_huge_pages() -> None:
     assert "hg" in vm_flags_at(last)
     small = torch.empty(16 * HUGE_PAGE_BYTES, dtype=torch.uint8)  # the same size, unadvised
     assert "hg" not in vm_flags_at(small.data_ptr() + HUGE_PAGE_BYTES)
+
+
+def weights_module() -> nn.Module:
+    """2.4 MiB of parameters in two dtypes, one of them tied into two places."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 96, bias=False))
+    module.append(nn.Embedding(96, 1024, dtype=torch.bfloat16))
+    module.tied = module[1].weight
+    return module
+
+
+@THP_ON
+def test_weights_move_onto_advised_huge_pages_with_their_values() -> None:
+    module = weights_module()
+    x = torch.randn(3, 512)
+    params = list(module.parameters())
+    before = [p.detach().clone() for p in params]
+    with torch.inference_mode():
+        expected = module[1](module[0](x))
+    place_on_huge_pages(module)
+    assert list(module.parameters()) == params  # the same Parameter objects, moved
+    assert module.tied is module[1].weight
+    starts = [p.data_ptr() for p in params]
+    assert starts[0] % HUGE_PAGE_BYTES == 0 and all(start % 64 == 0 for start in starts)
+    for param, old in zip(params, before, strict=True):
+        assert param.is_contiguous() and param.dtype == old.dtype
+        assert torch.equal(param, old)
+        assert "hg" in vm_flags_at(param.data_ptr())
+        assert "hg" in vm_flags_at(param.data_ptr() + param.numel() * param.element_size() - 1)
+    with torch.inference_mode():
+        assert torch.equal(module[1](module[0](x)), expected)
+
+
+def test_small_modules_stay_where_they_are() -> None:
+    module = nn.Linear(8, 4)
+    start = module.weight.data_ptr()
+    place_on_huge_pages(module)
+    assert module.weight.data_ptr() == start
