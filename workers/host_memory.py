@@ -15,8 +15,9 @@ over-allocated buffer that nothing has touched yet:
 
 The weights go the same way once loaded (`place_on_huge_pages`): a decode step of one or two
 requests streams every weight once, and through 4 KiB pages that walk misses the TLB every
-page. On the benchmark checkpoint (80 MB of fp32 weights) the native one-row step went from
-2.63 to 2.35 ms in the median on this project's 2-core VM (bench/step_overhead.py).
+page. On the benchmark checkpoint (80 MB of fp32 weights, this project's 2-core VM) the native
+one-row step's C call took 2.65 ms in the median against 3.06 ms on 4 KiB pages, two engines
+in one process taking turns.
 
 Where THP is off or madvise is unavailable the memory is the same on ordinary pages: huge
 pages are an optimisation, never a requirement. GPU memory is left as it is.
