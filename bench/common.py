@@ -4,6 +4,7 @@ sys.path)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import platform
 import time
@@ -147,9 +148,14 @@ def comparison_workloads(quick: bool) -> list[Workload]:
 
 def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     """The decode step's floor for `batch_size` rows, measured here: every weight matrix of
-    the model (each linear layer and the LM head) multiplied once, as the engine multiplies
-    it (pre-packed where the engine packs), nothing else. Median of `repeats` passes, in ms.
-    A decode step streams each weight once, so it cannot be faster than this."""
+    the model (each linear layer and the LM head) multiplied once, nothing else. Median of
+    `repeats` passes, in ms. A decode step streams each weight once, so it cannot be faster
+    than this. Up to `GEMV_ROWS` rows on the CPU the matrices go through the C mat-vec one
+    after another in one parallel region (`gemv_each_f32`), as the native step runs them: a
+    call per matrix would add ~10 us of dispatch and a team wake-up each, which the native
+    step does not pay. Otherwise each goes through the engine's own call (pre-packed where
+    the engine packs)."""
+    from hybridserve.kernels.cpu_gemm import GEMV_ROWS, gemv_each_kernel
     from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 
     model = llm.engine.executor.driver.model
@@ -160,14 +166,47 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     inputs = [
         torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _, _ in weights
     ]
+    each = gemv_each_kernel()
+    one_region = (
+        batch_size <= GEMV_ROWS
+        and each is not None
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w, _, _ in weights)
+        and all(w.is_contiguous() for w, _, _ in weights)
+    )
+    if one_region:
+        outputs = [torch.empty(batch_size, w.shape[0]) for w, _, _ in weights]
+
+        def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
+            return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+        def sizes(values: list[int]) -> ctypes.Array:
+            return (ctypes.c_int64 * len(values))(*values)
+
+        arguments = (
+            len(weights),
+            addresses([w for w, _, _ in weights]),
+            sizes([w.shape[0] for w, _, _ in weights]),
+            sizes([w.shape[1] for w, _, _ in weights]),
+            addresses(inputs),
+            batch_size,
+            addresses(outputs),
+        )
+
+        def multiply() -> None:
+            each(*arguments)
+    else:
+
+        def multiply() -> None:
+            for (weight, packed, is_packed), x in zip(weights, inputs, strict=True):
+                packed_matmul(x, weight, None, packed, is_packed)
+
     sync = torch.cuda.synchronize if weights[0][0].is_cuda else lambda: None
     totals = []
     with torch.inference_mode():
         for _ in range(repeats + 2):
             sync()
             start = time.perf_counter()
-            for (weight, packed, is_packed), x in zip(weights, inputs, strict=True):
-                packed_matmul(x, weight, None, packed, is_packed)
+            multiply()
             sync()
             totals.append(time.perf_counter() - start)
     totals = sorted(totals[2:])  # the first two warm the caches

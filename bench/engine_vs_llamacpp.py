@@ -9,7 +9,7 @@ timing, greedy tokens for one prompt must agree between the two systems. Then th
 bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs at 1, 8 and 32
 concurrent requests: ours through `LLM.generate` (at most N running), eager and with the
 compiled decode step (`compile_decode`, compiled at engine start, not timed), both with steps of
-one or two decode rows as one C call (`native_decode`, the default), and compiled without that
+up to eight decode rows as one C call (`native_decode`, the default), and compiled without that
 (`no native`: what the native step adds, side by side); llama.cpp through N
 parallel HTTP clients against a server with N slots and continuous batching (`-t 2`). Also:
 prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best

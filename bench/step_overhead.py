@@ -13,7 +13,7 @@ ops, forward, sampling), `update` (tokens appended, commits and stop checks) and
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
 mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`),
-`native` (steps of one or two decode rows as one C call, `native_decode`: measured at those
+`native` (steps of up to eight decode rows as one C call, `native_decode`: measured at those
 counts only, where it applies) and, on CUDA, `graphs` (decode steps replayed as CUDA graphs,
 `cuda_graphs`). Each mode runs with the others off.
 """

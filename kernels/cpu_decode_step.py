@@ -1,4 +1,4 @@
-"""A whole decode forward of one or two rows on the CPU in one C call: the layers of a hybrid
+"""A whole decode forward of up to eight rows on the CPU in one C call: the layers of a hybrid
 model, one OpenMP team, no Python or dispatcher between ops.
 
 At one request a decode step streams every weight once (~80 MB on the benchmark checkpoint,
@@ -22,8 +22,8 @@ channel, head or group, and the team meets at one barrier per op (3-6 per layer)
 The model is described once (`Model`, `Layer`: weight pointers and sizes, built by
 workers/native_decode.py); a step (`Step`) passes each row's token, context length, block
 table and Mamba slot, and gets the logits. fp32 weights and states only.
-Up to two rows, as the C mat-vec (kernels/cpu_gemm.py: from four rows oneDNN's packed GEMM is
-faster than a loop of dot products).
+Up to GEMV_ROWS (8) rows, as the C mat-vec (kernels/cpu_gemm.py: beyond that oneDNN's packed
+GEMM catches up with it).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""Small-batch matrix multiply on the CPU: a C mat-vec for one or two rows, oneDNN with
+"""Small-batch matrix multiply on the CPU: a C mat-vec up to eight rows, oneDNN with
 pre-packed weights up to 64.
 
 Decode steps multiply a handful of rows by every weight matrix. For those, oneDNN with the
 weight reordered once into its blocked layout is 1.3-2.5x faster than the default GEMM; for
 large prefill batches the default GEMM is as fast or faster. So layers keep their plain weight
-and may add a packed copy, and `linear` picks per call. At one or two rows the multiply only
-streams the weight once, and a plain loop of dot products (`GEMV_SOURCE`, built by
-`c_library`) does that at the memory's speed where oneDNN does not: on the benchmark
-checkpoint's 80 MB of weights, 2.5 against 4.0 ms at one row, 3.1 against 4.3 at two, slower
-from four rows on.
+and may add a packed copy, and `linear` picks per call. At a few rows the multiply only
+streams the weight once, and a loop of dot products four weight rows at a time
+(`GEMV_SOURCE`, built by `c_library`) keeps up with that stream where oneDNN does not: on the
+benchmark checkpoint's 80 MB of weights, 2.0 against 3.4 ms at one row, 4.7 against 5.1 at
+eight (figures at `GEMV_ROWS`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from hybridserve.kernels.dispatch import BACKEND_ENV
 SMALL_BATCH = 64
 # The batch size oneDNN tunes the packed layout for: a typical decode batch.
 _PACK_BATCH_HINT = 32
-# Rows at or below which the C mat-vec is used.
-GEMV_ROWS = 2
+# Rows at or below which the C mat-vec is used. Every weight of the benchmark checkpoint once,
+# same process: 2.0 / 2.4 / 3.1 / 4.7 / 8.1 ms at 1 / 2 / 4 / 8 / 16 rows against oneDNN's
+# packed GEMM's 3.4 / 3.5 / 3.7 / 5.1 / 6.7 ms; they cross between 8 and 16.
+GEMV_ROWS = 8
 
 # The dot products of the mat-vecs. `dot`: one weight row with one input row. With one
 # accumulator register each FMA waits for the one before (a chain of cols / 16 of them per row),
@@ -69,6 +71,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #define DOT_LANES 8
 #endif
 typedef float dot_vec __attribute__((vector_size(DOT_LANES * sizeof(float))));
+#define DOT_AHEAD 512 /* floats: how far ahead of its loads a weight row is prefetched */
 
 static inline dot_vec dot_load(const float *p) {
     dot_vec v;
@@ -76,10 +79,14 @@ static inline dot_vec dot_load(const float *p) {
     return v;
 }
 
+/* The sum of a register's lanes, halving it until one is left: log2(DOT_LANES) dependent adds,
+   where a lane at a time chains DOT_LANES - 1 of them (floats' adds are not reordered for us). */
 static inline float dot_sum(dot_vec v) {
-    float acc = 0.0f;
-    for (int k = 0; k < DOT_LANES; ++k) acc += v[k];
-    return acc;
+    float lanes[DOT_LANES];
+    memcpy(lanes, &v, sizeof v);
+    for (int width = DOT_LANES / 2; width > 0; width /= 2)
+        for (int k = 0; k < width; ++k) lanes[k] += lanes[k + width];
+    return lanes[0];
 }
 
 /* y[j] = W[j] . x for the `count` rows of W from w (rows n apart), count <= 4. */
@@ -92,6 +99,15 @@ static inline void dot_rows(const float *w, int64_t count, int64_t n, const floa
     dot_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     int64_t i = 0;
     for (; i + 2 * DOT_LANES <= n; i += 2 * DOT_LANES) {
+        /* Each row's lines 2 KiB ahead, into every cache level (a hint: past the matrix's end
+           it touches nothing). The hardware's prefetcher alone ran the four streams 6-7%
+           slower (every weight of the checkpoint once, interleaved: 2.15 against 2.02 ms). */
+        for (int64_t k = 0; k < 2 * DOT_LANES; k += 16) {
+            __builtin_prefetch(w0 + i + DOT_AHEAD + k, 0, 3);
+            __builtin_prefetch(w1 + i + DOT_AHEAD + k, 0, 3);
+            __builtin_prefetch(w2 + i + DOT_AHEAD + k, 0, 3);
+            __builtin_prefetch(w3 + i + DOT_AHEAD + k, 0, 3);
+        }
         const dot_vec xa = dot_load(x + i), xb = dot_load(x + i + DOT_LANES);
         a0 += dot_load(w0 + i) * xa;
         b0 += dot_load(w0 + i + DOT_LANES) * xb;
@@ -118,14 +134,14 @@ static inline void dot_rows(const float *w, int64_t count, int64_t n, const floa
 GEMV_SOURCE = (
     DOT_SOURCE
     + r"""
-/* y (rows, out) = x (rows, in) W^T (W: out x in, row-major) + bias (may be NULL). Each
-   thread streams its share of W's rows once, four at a time; x's rows stay in L1. Shares
-   are handed out in shrinking pieces (guided), not fixed halves: on a VM one thread often
-   runs slower, and with fixed halves the other waits for it (10% of the one-row decode
-   step's GEMV time). */
-void gemv_f32(const float *W, int64_t out, int64_t in, const float *x, int64_t rows,
-              const float *bias, float *y) {
-#pragma omp parallel for schedule(guided, 8)
+/* y (rows, out) = x (rows, in) W^T (W: out x in, row-major) + bias (may be NULL), by the
+   team of the enclosing parallel region. Each thread streams its share of W's rows once, four
+   at a time; x's rows stay in L1. Shares are handed out in shrinking pieces (guided), not
+   fixed halves: on a VM one thread often runs slower, and with fixed halves the other waits
+   for it (10% of the one-row decode step's GEMV time). */
+static void gemv_team(const float *W, int64_t out, int64_t in, const float *x, int64_t rows,
+                      const float *bias, float *y) {
+#pragma omp for schedule(guided, 8)
     for (int64_t o = 0; o < out; o += 4) {
         const int64_t count = out - o < 4 ? out - o : 4;
         for (int64_t r = 0; r < rows; ++r) {
@@ -135,6 +151,21 @@ void gemv_f32(const float *W, int64_t out, int64_t in, const float *x, int64_t r
                 for (int64_t j = 0; j < count; ++j) yr[j] += bias[o + j];
         }
     }
+}
+
+void gemv_f32(const float *W, int64_t out, int64_t in, const float *x, int64_t rows,
+              const float *bias, float *y) {
+#pragma omp parallel
+    gemv_team(W, out, in, x, rows, bias, y);
+}
+
+/* `count` mat-vecs y_i = x_i W_i^T, one after another in one parallel region, as the native
+   decode step runs its mat-vecs: what the weights alone cost a step, with no call or team
+   wake-up between them (bench/common.gemm_floor_ms). */
+void gemv_each_f32(int64_t count, const float *const *W, const int64_t *out, const int64_t *in,
+                   const float *const *x, int64_t rows, float *const *y) {
+#pragma omp parallel
+    for (int64_t i = 0; i < count; ++i) gemv_team(W[i], out[i], in[i], x[i], rows, NULL, y[i]);
 }
 """
 )
@@ -189,6 +220,17 @@ def gemv_kernel() -> ctypes._CFuncPtr | None:
     argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return c_library.function("gemv", GEMV_SOURCE, "gemv_f32", argtypes)
+
+
+@functools.cache
+def gemv_each_kernel() -> ctypes._CFuncPtr | None:
+    """`gemv_each_f32(count, W, out, in, x, rows, y)` (arrays of `count` pointers and sizes),
+    or None where the mat-vec does not build."""
+    if gemv_kernel() is None:
+        return None
+    argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return c_library.function("gemv", GEMV_SOURCE, "gemv_each_f32", argtypes)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

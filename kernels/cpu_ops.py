@@ -1,7 +1,7 @@
 """The CPU kernels as torch operators, with their CPU implementations in C++.
 
 The compiled decode step calls three operators it cannot trace: `packed_linear` (a GEMM on a
-oneDNN-packed weight, or the C mat-vec at one or two rows), `ssm_update_` (the Mamba state
+oneDNN-packed weight, or the C mat-vec up to GEMV_ROWS rows), `ssm_update_` (the Mamba state
 update in place, kernels/cpu_state_update.py) and `attention_decode` (paged decode attention,
 kernels/cpu_attention.py). A one-row step makes 36 such calls. Implemented in Python, each
 call went from the generated code through the dispatcher into the interpreter, which

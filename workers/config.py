@@ -26,7 +26,7 @@ class EngineConfig(BaseModel):
     )
     native_decode: bool = Field(
         True,
-        description="on the CPU: run a step of one or two decode rows as one C call (the "
+        description="on the CPU: run a step of up to eight decode rows as one C call (the "
         "whole forward in one OpenMP team, no per-op dispatch); fp32 models at "
         "tensor_parallel_size 1 without MoE layers; other steps, and other models, run as "
         "before (compiled or eager)",

@@ -13,7 +13,7 @@ over-allocated buffer that nothing has touched yet:
     buffer  |<- pad ->|<--------------- pool (2 MiB aligned, advised) --------------->|<- rest ->|
             ^ torch.empty (not yet faulted in)                          madvise, then zero_()
 
-The weights go the same way once loaded (`place_on_huge_pages`): a decode step of one or two
+The weights go the same way once loaded (`place_on_huge_pages`): a decode step of a few
 requests streams every weight once, and through 4 KiB pages that walk misses the TLB every
 page. On the benchmark checkpoint (80 MB of fp32 weights, this project's 2-core VM) the native
 one-row step's C call took 2.65 ms in the median against 3.06 ms on 4 KiB pages, two engines

@@ -225,8 +225,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         native = self.native_decode
         if native is not None and len(items) <= MAX_NATIVE_ROWS and all(c.is_decode for c in items):
-            # One or two decode rows: no batch tensors, the forward and the LM head are one C
-            # call, and every row gets its logits.
+            # A few decode rows: no batch tensors, the forward and the LM head are one C call,
+            # and every row gets its logits.
             logits = native(items)
             row_ranges = [(row, row) for row in range(len(items))]
         else:

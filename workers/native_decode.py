@@ -1,7 +1,7 @@
 """Small decode steps on the CPU as one C call (kernels/cpu_decode_step.py).
 
-The model runner sends a step here when it is one or two decode rows (one or two requests
-generating); the call returns their logits, the LM head included. Every other step runs as
+The model runner sends a step here when it is up to MAX_ROWS (8) decode rows (as many
+requests generating); the call returns their logits, the LM head included. Every other step runs as
 before (compiled or eager). The C kernel gets the model once, as a table of weight pointers
 and sizes built from the loaded modules, and the pools' addresses and strides; a step passes
 each row's token, context length, block table and Mamba slot.
@@ -10,7 +10,7 @@ It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are 
 attention (with or without RoPE) and dense MLPs; `NativeDecode.build` says why not otherwise
 (MoE layers, say) and the runner keeps its other paths. The tests compare it with the
 model's eager step on the same states (tests/workers/test_native_decode.py), and every
-engine test that decodes one or two requests at a time runs it against transformers.
+engine test that decodes up to eight requests at a time runs it against transformers.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from hybridserve.workers.step_plan import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
-# Decode rows a native step takes: up to the C mat-vec's (from four rows oneDNN's packed GEMM,
-# in the compiled or eager step, is faster than a loop of dot products).
+# Decode rows a native step takes: up to the C mat-vec's (beyond them oneDNN's packed GEMM, in
+# the compiled or eager step, catches up with it).
 MAX_ROWS = GEMV_ROWS
 
 

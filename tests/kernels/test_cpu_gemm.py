@@ -3,6 +3,7 @@ compiled step's operator."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels import cpu_gemm, cpu_ops
-from hybridserve.kernels.cpu_gemm import SMALL_BATCH, can_pack, linear, pack_weight
+from hybridserve.kernels.cpu_gemm import GEMV_ROWS, SMALL_BATCH, can_pack, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.zeros(1, 1)), reason="this torch build has no oneDNN linear"
@@ -36,9 +37,9 @@ def test_only_float32_cpu_weights_are_packed():
     assert not can_pack(torch.zeros(4))
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, GEMV_ROWS])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_one_or_two_rows_take_the_c_matvec_and_match_torch(rows, with_bias, monkeypatch):
+def test_up_to_gemv_rows_take_the_c_matvec_and_match_torch(rows, with_bias, monkeypatch):
     assert cpu_gemm.gemv_kernel() is not None, "CI has a C compiler: the mat-vec must build"
     calls = []
     gemv = cpu_gemm._gemv
@@ -56,18 +57,18 @@ def test_one_or_two_rows_take_the_c_matvec_and_match_torch(rows, with_bias, monk
     torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_three_rows_and_other_dtypes_stay_on_torch(monkeypatch):
+def test_more_rows_and_other_dtypes_stay_on_torch(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_gemv", lambda *a: pytest.fail("the mat-vec ran"))
     weight = torch.randn(8, 4)
     with torch.inference_mode():
-        cpu_gemm.linear(torch.randn(3, 4), weight)
+        cpu_gemm.linear(torch.randn(GEMV_ROWS + 1, 4), weight)
         cpu_gemm.linear(torch.randn(1, 4, dtype=torch.bfloat16), weight.bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, SMALL_BATCH, SMALL_BATCH + 1, 300])
+@pytest.mark.parametrize("rows", [1, 2, 7, GEMV_ROWS + 1, SMALL_BATCH, SMALL_BATCH + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_operator_finds_the_registered_packed_copy(rows, with_bias):
-    """`cpu_ops.packed_linear` uses the copy registered for a weight's address at 3 to
+    """`cpu_ops.packed_linear` uses the copy registered for a weight's address from GEMV_ROWS + 1 to
     SMALL_BATCH rows, the C mat-vec below, the plain weight above: registering another
     weight's copy shows which one it multiplied by."""
     gen = torch.Generator().manual_seed(rows)
@@ -87,7 +88,7 @@ def test_a_released_packed_copy_is_not_used():
     weight, other = torch.randn(40, 24), torch.randn(40, 24)
     assert cpu_ops.register_packed(weight, pack_weight(other))  # dropped at once
     gc.collect()
-    x = torch.randn(5, 24)
+    x = torch.randn(GEMV_ROWS + 1, 24)  # rows that take the packed copy
     with torch.inference_mode():
         torch.testing.assert_close(cpu_ops.packed_linear(x, weight, None), x @ weight.T)
 
@@ -100,9 +101,38 @@ def test_a_packed_copy_belongs_to_its_weight_not_to_its_address():
     assert cpu_ops.register_packed(weight, other_packed)
     same_address = torch.from_numpy(weight.numpy())  # a new storage over the same memory
     assert same_address.data_ptr() == weight.data_ptr()
-    x = torch.randn(5, 24)
+    x = torch.randn(GEMV_ROWS + 1, 24)  # rows that take the packed copy
     with torch.inference_mode():
         torch.testing.assert_close(cpu_ops.packed_linear(x, weight, None), x @ other.T)
         # An alias of the weight (as a compiled graph may pass it) shares its storage.
         torch.testing.assert_close(cpu_ops.packed_linear(x, weight.detach(), None), x @ other.T)
         torch.testing.assert_close(cpu_ops.packed_linear(x, same_address, None), x @ weight.T)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_mat_vecs_of_one_region_each_match_torch(rows):
+    """`gemv_each_f32` (the benchmarks' floor) multiplies every matrix by its own input."""
+    each = cpu_gemm.gemv_each_kernel()
+    assert each is not None, "CI has a C compiler: the mat-vec must build"
+    gen = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(out, inner, generator=gen) for out, inner in [(6, 40), (33, 7), (8, 8)]]
+    inputs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
+    outputs = [torch.empty(rows, w.shape[0]) for w in weights]
+
+    def addresses(tensors):
+        return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+    def sizes(values):
+        return (ctypes.c_int64 * len(values))(*values)
+
+    each(
+        len(weights),
+        addresses(weights),
+        sizes([w.shape[0] for w in weights]),
+        sizes([w.shape[1] for w in weights]),
+        addresses(inputs),
+        rows,
+        addresses(outputs),
+    )
+    for weight, x, y in zip(weights, inputs, outputs, strict=True):
+        torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-4)

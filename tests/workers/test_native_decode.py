@@ -105,21 +105,24 @@ def test_one_request_at_a_time_matches_transformers(reference, block_size):
     assert_pools_at_baseline(llm.engine)
 
 
-def test_steps_of_three_rows_keep_the_batched_path(reference):
-    """Three requests decoding together run the model's batched step; once one is done, the
-    other two run natively together, then the last one (in the highest Mamba slot) alone, and
-    every request's tokens are its own alone."""
+def test_steps_of_more_rows_keep_the_batched_path(reference):
+    """MAX_ROWS + 1 requests decoding together run the model's batched step; once one is done,
+    the other MAX_ROWS run natively together, then the last one alone, and every request's
+    tokens are its prompt's alone."""
     folder, prompts, hf_tokens, _ = reference
     llm = LLM(str(folder))
-    lengths = [NEW_TOKENS // 4, NEW_TOKENS // 2, NEW_TOKENS]
+    max_rows = native_decode_module.MAX_ROWS
+    count = max_rows + 1
+    chosen = [i % len(prompts) for i in range(count)]
+    lengths = [NEW_TOKENS // 4] + [NEW_TOKENS // 2] * (count - 2) + [NEW_TOKENS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    expected = [tokens[:n] for tokens, n in zip(hf_tokens, lengths, strict=True)]
+    outputs = llm.generate([prompts[i] for i in chosen], params, use_tqdm=False)
+    expected = [hf_tokens[i][:n] for i, n in zip(chosen, lengths, strict=True)]
     assert [o.token_ids for o in outputs] == expected
     native = llm.engine.executor.driver.native_decode
-    # The first tokens come with the prompts; tokens 2-4 of all three batched, 5-8 of two
-    # and 9-16 of one natively.
-    assert (native.num_steps, native.num_rows) == (4 + 8, 2 * 4 + 8)
+    # The first tokens come with the prompts; tokens 2-4 of all batched, 5-8 of MAX_ROWS and
+    # 9-16 of one natively.
+    assert (native.num_steps, native.num_rows) == (4 + 8, max_rows * 4 + 8)
     assert_pools_at_baseline(llm.engine)
 
 
