@@ -41,10 +41,10 @@ GEMV_ROWS = 8
 # Row by row, every row ends in a reduction of its partial sums across the register, and
 # the next row's loads wait behind it; on this checkpoint's short rows (512 or 1536 floats)
 # that reduction is a large share of the work. Four rows at a time keep four streams of loads
-# going, share each load of the input, and end in one reduction per row after them. On the
-# benchmark VM, every weight of the checkpoint once at one row: 4.2-4.4 ms row by row, 2.0-2.5
-# ms four at a time (raw reading of the same bytes: 1.3-1.4 ms). A second input row reuses
-# the four weight rows from L1 (4 x 6 KB at most here).
+# going, share each load of the input, and end in one reduction per row after them. A
+# standalone C probe on the benchmark VM (two threads, the checkpoint's matrix shapes, 92 MB,
+# one row): 4.2-4.4 ms row by row, 2.0-2.5 ms four at a time, 1.3-1.4 ms to only read the same
+# bytes. Further input rows reuse the four weight rows from L1 or L2 (4 x 6 KB at most here).
 DOT_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>

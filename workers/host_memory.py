@@ -25,6 +25,7 @@ pages are an optimisation, never a requirement. GPU memory is left as it is.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import functools
@@ -86,8 +87,12 @@ def place_on_huge_pages(module: nn.Module) -> None:
     """Move `module`'s host parameters, one after another, into one buffer on huge pages; each
     keeps its values, shape and dtype, and starts on a cache line. Call it before anything
     holds a parameter's address (packed copies, kernels' weight tables). Each old storage is
-    freed as its parameter moves, so the resident memory grows by one parameter at most."""
+    released as its parameter moves (the allocator may keep small ones for reuse). Parameters
+    that share a storage with another parameter stay where they are: moved one by one they
+    would no longer share it."""
     params = [p for p in module.parameters() if p.device.type == "cpu" and p.is_contiguous()]
+    owners = collections.Counter(p.untyped_storage().data_ptr() for p in params)
+    params = [p for p in params if owners[p.untyped_storage().data_ptr()] == 1]
     sizes = [_round_up(p.numel() * p.element_size(), _CACHE_LINE) for p in params]
     if sum(sizes) < HUGE_PAGE_BYTES:
         return

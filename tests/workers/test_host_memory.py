@@ -77,8 +77,7 @@ def weights_module() -> nn.Module:
     return module
 
 
-@THP_ON
-def test_weights_move_onto_advised_huge_pages_with_their_values() -> None:
+def test_weights_move_into_one_aligned_buffer_with_their_values() -> None:
     module = weights_module()
     x = torch.randn(3, 512)
     params = list(module.parameters())
@@ -90,13 +89,31 @@ def test_weights_move_onto_advised_huge_pages_with_their_values() -> None:
     assert module.tied is module[1].weight
     starts = [p.data_ptr() for p in params]
     assert starts[0] % HUGE_PAGE_BYTES == 0 and all(start % 64 == 0 for start in starts)
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
     for param, old in zip(params, before, strict=True):
         assert param.is_contiguous() and param.dtype == old.dtype
         assert torch.equal(param, old)
-        assert "hg" in vm_flags_at(param.data_ptr())
-        assert "hg" in vm_flags_at(param.data_ptr() + param.numel() * param.element_size() - 1)
     with torch.inference_mode():
         assert torch.equal(module[1](module[0](x)), expected)
+
+
+@THP_ON
+def test_moved_weights_are_advised_for_huge_pages() -> None:
+    module = weights_module()
+    place_on_huge_pages(module)
+    for param in module.parameters():
+        assert "hg" in vm_flags_at(param.data_ptr())
+        assert "hg" in vm_flags_at(param.data_ptr() + param.numel() * param.element_size() - 1)
+
+
+def test_parameters_sharing_a_storage_stay_together() -> None:
+    module = weights_module()
+    shared = torch.randn(2, 512, 1024)
+    module.first, module.second = (nn.Parameter(half, requires_grad=False) for half in shared)
+    place_on_huge_pages(module)
+    assert module.first.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+    assert module.second.data_ptr() == module.first.data_ptr() + 512 * 1024 * 4
+    assert module.tied.data_ptr() % HUGE_PAGE_BYTES == 0  # the first of the others, moved
 
 
 def test_small_modules_stay_where_they_are() -> None:

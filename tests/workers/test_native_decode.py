@@ -54,11 +54,21 @@ SHAPES = {
     # head size 128 (the other unrolled path)
     "nemotron_h_head_128": ("nemotron_h", {"layers_block_type": DENSE_NEMOTRON, "head_dim": 128}),
     # projections whose rows are not a multiple of four (the mat-vec's piece): in_proj
-    # 2 * 48 + 2 * 2 * 16 + 6 = 166 rows, the MLP's up 94
+    # 2 * 48 + 2 * 2 * 16 + 6 = 166 rows, the MLP's up 94, and q, k, v of 30, 10 and 10 rows,
+    # whose pieces straddle one projection's end and the next one's start
     "nemotron_h_odd_rows": (
         "nemotron_h",
-        {"layers_block_type": DENSE_NEMOTRON, "mamba_num_heads": 6, "intermediate_size": 94},
+        {
+            "layers_block_type": DENSE_NEMOTRON,
+            "mamba_num_heads": 6,
+            "intermediate_size": 94,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 10,
+        },
     ),
+    # a gated MLP of 94 rows a half (its last piece is two rows)
+    "bamba_odd_rows": ("bamba", {"intermediate_size": 94}),
     # no Mamba pools
     "attention_only": ("nemotron_h", {"layers_block_type": ["full_attention", "mlp"] * 2}),
     # RoPE attention, gated silu MLP
@@ -171,9 +181,9 @@ def test_it_can_be_turned_off_and_the_reference_backend_turns_it_off(monkeypatch
 
 
 def test_it_writes_the_states_and_scores_the_models_step_does():
-    """Each native step of two requests, then of the one left, runs twice from the same pools,
-    eagerly and natively: the Mamba states and KV blocks after it, every row's token and its
-    log-probability agree."""
+    """Each native step of MAX_ROWS requests, then of one fewer after each step, runs twice from
+    the same pools, eagerly and natively: the Mamba states and KV blocks after it, every row's
+    token and its log-probability agree."""
     llm = LLM("tiny")
     runner = llm.engine.executor.driver
     native = runner.native_decode
@@ -181,7 +191,8 @@ def test_it_writes_the_states_and_scores_the_models_step_does():
     compared = []
 
     def both_ways(plan):
-        if not (len(plan.chunks) <= 2 and all(c.is_decode for c in plan.chunks)):
+        decode_only = all(c.is_decode for c in plan.chunks)
+        if not (decode_only and len(plan.chunks) <= native_decode_module.MAX_ROWS):
             return execute(plan)
         before = [pool.clone() for pool in _pools(runner)]
         runner.native_decode = None
@@ -200,12 +211,16 @@ def test_it_writes_the_states_and_scores_the_models_step_does():
         return ours
 
     runner.execute = both_ways
+    max_rows = native_decode_module.MAX_ROWS
+    lengths = range(2, max_rows + 2)  # one request ends after each step
     params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in (6, 10)
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in lengths
     ]
-    llm.generate(random_prompts([21, 40], seed=2), params, use_tqdm=False)
-    assert compared == [2] * 5 + [1] * 4
-    assert (native.num_steps, native.num_rows) == (9, 14)
+    prompt_lengths = [21, 40, 5, 33, 12, 27, 8, 16][:max_rows]
+    llm.generate(random_prompts(prompt_lengths, seed=2), params, use_tqdm=False)
+    # The first tokens come with the prompts; then token 2 of all, token 3 of all but one, ...
+    assert compared == list(range(max_rows, 0, -1))
+    assert (native.num_steps, native.num_rows) == (max_rows, sum(compared))
     assert_pools_at_baseline(llm.engine)
 
 
