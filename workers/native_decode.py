@@ -1,10 +1,10 @@
 """Small decode steps on the CPU as one C call (kernels/cpu_decode_step.py).
 
 The model runner sends a step here when it is up to MAX_ROWS (8) decode rows (as many
-requests generating); the call returns their logits, the LM head included. Every other step runs as
-before (compiled or eager). The C kernel gets the model once, as a table of weight pointers
-and sizes built from the loaded modules, and the pools' addresses and strides; a step passes
-each row's token, context length, block table and Mamba slot.
+requests generating); the call returns their logits, the LM head included. Every other step
+runs as before (compiled or eager). The C kernel gets the model once, as a table of weight
+pointers and sizes built from the loaded modules, and the pools' addresses and strides; a
+step passes each row's token, context length, block table and Mamba slot.
 
 It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
 attention (with or without RoPE) and dense MLPs; `NativeDecode.build` says why not otherwise
