@@ -67,11 +67,13 @@ pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DRAIN_TIMEOUT_S = 2.0
-# 1 prefill + 1 decode engine; long outputs, so a shutdown finds requests that cannot finish.
+# 1 prefill + 1 decode engine; long outputs, so a shutdown finds requests that cannot finish
+# (tiny's longest: 8192 tokens; two 8000-token outputs take ~6 s offline against a 2 s drain,
+# where two of 3000 now take 1.3 s).
 FAULTS_SERVICE = {
     "num_prefill": 1,
     "num_decode": 1,
-    "engine": ENGINE | {"max_model_len": 4096, "num_kv_blocks": 1024},
+    "engine": ENGINE | {"max_model_len": 8192, "num_kv_blocks": 2048},
     "api_keys": [API_KEY],
     "torch_threads": 1,
     "transfer_timeout_s": 10.0,
@@ -377,7 +379,7 @@ def test_a_graceful_shutdown_ends_every_request_in_flight(faults, offline):
     drain_timeout_s) while requests stream: each one ends before the deadline, either
     complete (the offline tokens, [DONE]) or, when it cannot finish in time, with exactly
     one error event saying the engine shut down; none hangs."""
-    short, long_ = 40, 3000  # 3000 tokens take far longer than the drain allows
+    short, long_ = 40, 8000  # 8000 tokens take far longer than the drain allows
     prompts = {"0": PROMPT, "1": PROMPT + " again"}
     expected = {
         k: offline_tokens(offline, p, max_tokens=short, **GREEDY) for k, p in prompts.items()
