@@ -4,7 +4,6 @@ sys.path)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import platform
 import time
@@ -155,7 +154,7 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     call per matrix would add ~10 us of dispatch and a team wake-up each, which the native
     step does not pay. Otherwise each goes through the engine's own call (pre-packed where
     the engine packs)."""
-    from hybridserve.kernels.cpu_gemm import GEMV_ROWS, gemv_each_kernel
+    from hybridserve.kernels.cpu_gemm import GEMV_ROWS, gemv_each
     from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 
     model = llm.engine.executor.driver.model
@@ -166,35 +165,13 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     inputs = [
         torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _, _ in weights
     ]
-    each = gemv_each_kernel()
-    one_region = (
-        batch_size <= GEMV_ROWS
-        and each is not None
-        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w, _, _ in weights)
-        and all(w.is_contiguous() for w, _, _ in weights)
+    plain = [w for w, _, _ in weights]
+    one_region = batch_size <= GEMV_ROWS and all(
+        w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in plain
     )
-    if one_region:
-        outputs = [torch.empty(batch_size, w.shape[0]) for w, _, _ in weights]
-
-        def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
-            return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-
-        def sizes(values: list[int]) -> ctypes.Array:
-            return (ctypes.c_int64 * len(values))(*values)
-
-        arguments = (
-            len(weights),
-            addresses([w for w, _, _ in weights]),
-            sizes([w.shape[0] for w, _, _ in weights]),
-            sizes([w.shape[1] for w, _, _ in weights]),
-            addresses(inputs),
-            batch_size,
-            addresses(outputs),
-        )
-
-        def multiply() -> None:
-            each(*arguments)
-    else:
+    outputs = [torch.empty(batch_size, w.shape[0]) for w in plain] if one_region else []
+    multiply = gemv_each(plain, inputs, outputs) if one_region else None
+    if multiply is None:
 
         def multiply() -> None:
             for (weight, packed, is_packed), x in zip(weights, inputs, strict=True):

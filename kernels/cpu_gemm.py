@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -231,6 +232,34 @@ def gemv_each_kernel() -> ctypes._CFuncPtr | None:
     argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return c_library.function("gemv", GEMV_SOURCE, "gemv_each_f32", argtypes)
+
+
+def gemv_each(
+    weights: list[torch.Tensor], inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+) -> Callable[[], None] | None:
+    """A call that runs outputs[i] = inputs[i] weights[i]^T for every i in one parallel region
+    (contiguous fp32 CPU tensors, inputs of equally many rows), its arguments built once; None
+    where the mat-vec does not build."""
+    kernel = gemv_each_kernel()
+    if kernel is None:
+        return None
+
+    def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
+        return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+    def sizes(values: list[int]) -> ctypes.Array:
+        return (ctypes.c_int64 * len(values))(*values)
+
+    arguments = (
+        len(weights),
+        addresses(weights),
+        sizes([w.shape[0] for w in weights]),
+        sizes([w.shape[1] for w in weights]),
+        addresses(inputs),
+        inputs[0].shape[0],
+        addresses(outputs),
+    )
+    return lambda: kernel(*arguments)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,6 @@ compiled step's operator."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import pytest
@@ -112,27 +111,12 @@ def test_a_packed_copy_belongs_to_its_weight_not_to_its_address():
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_mat_vecs_of_one_region_each_match_torch(rows):
     """`gemv_each_f32` (the benchmarks' floor) multiplies every matrix by its own input."""
-    each = cpu_gemm.gemv_each_kernel()
-    assert each is not None, "CI has a C compiler: the mat-vec must build"
     gen = torch.Generator().manual_seed(rows)
     weights = [torch.randn(out, inner, generator=gen) for out, inner in [(6, 40), (33, 7), (8, 8)]]
     inputs = [torch.randn(rows, w.shape[1], generator=gen) for w in weights]
     outputs = [torch.empty(rows, w.shape[0]) for w in weights]
-
-    def addresses(tensors):
-        return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-
-    def sizes(values):
-        return (ctypes.c_int64 * len(values))(*values)
-
-    each(
-        len(weights),
-        addresses(weights),
-        sizes([w.shape[0] for w in weights]),
-        sizes([w.shape[1] for w in weights]),
-        addresses(inputs),
-        rows,
-        addresses(outputs),
-    )
+    multiply = cpu_gemm.gemv_each(weights, inputs, outputs)
+    assert multiply is not None, "CI has a C compiler: the mat-vec must build"
+    multiply()
     for weight, x, y in zip(weights, inputs, outputs, strict=True):
         torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-4)
