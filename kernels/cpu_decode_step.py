@@ -10,7 +10,7 @@ the team (each read once for every decode row), the small ops between them split
 channel, head or group, and the team meets at one barrier per op (3-6 per layer):
 
     embed -> per layer: RMSNorm -> mixer -> hidden += residual_multiplier * out -> final norm
-          -> LM head (/ logits_divisor)
+          -> LM head (/ logits_divisor) -> each row's argmax (its greedy token)
 
     mamba:      in_proj -> conv update (state shifted in place) -> SSM update per head
                 (`ssm_update_head`, shared with kernels/cpu_state_update.py) -> gated
@@ -21,7 +21,7 @@ channel, head or group, and the team meets at one barrier per op (3-6 per layer)
 
 The model is described once (`Model`, `Layer`: weight pointers and sizes, built by
 workers/native_decode.py); a step (`Step`) passes each row's token, context length, block
-table and Mamba slot, and gets the logits. fp32 weights and states only.
+table and Mamba slot, and gets the logits and each row's greedy token. fp32 weights and states only.
 Up to GEMV_ROWS (8) rows, as the C mat-vec (kernels/cpu_gemm.py: beyond that oneDNN's packed
 GEMM catches up with it).
 """
@@ -35,6 +35,8 @@ from hybridserve.kernels import c_library, cpu_attention, cpu_gemm, cpu_state_up
 from hybridserve.kernels.dispatch import BACKEND_ENV
 
 STEP_SOURCE = r"""
+#include <omp.h>
+
 enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2 };
 enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
 
@@ -285,10 +287,21 @@ static void mlp(const Model *m, const Layer *l, const Step *step) {
     project_residual(m, &l->out, m->mixed, rows);
 }
 
+/* Whether logit v beats `best` (at a lower index) in torch.argmax's order: a NaN beats any
+   number, and among equals the first wins. */
+static inline int beats(float v, float best) { return v > best || (v != v && best == best); }
+
 /* The step's decode rows, `tokens` (rows,); writes their logits (rows, lm_head rows), divided
-   by logits_divisor, to `out`. */
-void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float *out) {
+   by logits_divisor, to `out`, and each row's greedy token (its argmax, as torch.argmax) to
+   `greedy` (rows,). Each thread keeps the best of the logits it wrote while they are in its
+   cache (read back by another core they cost ~35 us a step); one thread then compares the
+   threads' bests. */
+void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float *out,
+                 int64_t *greedy) {
     const int64_t H = m->hidden_size, vocab = m->lm_head.rows, rows = step->rows;
+    const int threads = omp_get_max_threads();
+    float best_value[threads * rows];
+    int64_t best_index[threads * rows];
 #pragma omp parallel
     {
 #pragma omp for collapse(2) schedule(static)
@@ -305,6 +318,11 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
                 mlp(m, l, step);
         }
         rms_norm(m->hidden, m->final_norm, H, m->norm_eps, m->normed, rows);
+        /* this thread's best per row; its pieces come in increasing order (a dynamic
+           schedule hands them out in order), so the first of equals stays */
+        float *value = best_value + omp_get_thread_num() * rows;
+        int64_t *index = best_index + omp_get_thread_num() * rows;
+        for (int64_t r = 0; r < rows; ++r) index[r] = -1;
 #pragma omp for schedule(guided, 8)
         for (int64_t o = 0; o < vocab; o += 4) {
             const int64_t n = vocab - o < 4 ? vocab - o : 4;
@@ -313,7 +331,27 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
                 rows_of(&m->lm_head, o, n, m->normed + r * H, y);
                 if (m->logits_divisor != 1.0f)
                     for (int64_t j = 0; j < n; ++j) y[j] /= m->logits_divisor;
+                for (int64_t j = 0; j < n; ++j)
+                    if (index[r] < 0 || beats(y[j], value[r])) {
+                        value[r] = y[j];
+                        index[r] = o + j;
+                    }
             }
+        }
+#pragma omp single nowait
+        for (int64_t r = 0; r < rows; ++r) {
+            int64_t pick = -1;
+            float pick_value = 0.0f;
+            for (int t = 0; t < omp_get_num_threads(); ++t) {
+                const int64_t i = best_index[t * rows + r];
+                const float v = best_value[t * rows + r];
+                if (i >= 0 && (pick < 0 || beats(v, pick_value) ||
+                               (!beats(pick_value, v) && i < pick))) {
+                    pick = i;
+                    pick_value = v;
+                }
+            }
+            greedy[r] = pick;
         }
     }
 }
@@ -391,11 +429,11 @@ class Step(ctypes.Structure):
     ]
 
 
-_ARGTYPES = [ctypes.POINTER(Model), ctypes.POINTER(Step), ctypes.c_void_p, ctypes.c_void_p]
+_ARGTYPES = [ctypes.POINTER(Model), ctypes.POINTER(Step), *[ctypes.c_void_p] * 3]
 
 
 def kernel() -> ctypes._CFuncPtr | None:
-    """`decode_rows(model, step, tokens, out)`, built at first use; None
+    """`decode_rows(model, step, tokens, out, greedy)`, built at first use; None
     without a compiler or with HYBRIDSERVE_KERNEL_BACKEND=reference (torch everywhere)."""
     if os.environ.get(BACKEND_ENV) == "reference":
         return None

@@ -34,7 +34,7 @@ from hybridserve.workers.parallel import (
     local_conv_sections,
     local_kv_heads,
 )
-from hybridserve.workers.sampler import Sampler, prompt_logprobs
+from hybridserve.workers.sampler import Sampler, greedy_samples, is_plain_greedy, prompt_logprobs
 from hybridserve.workers.step_plan import ScheduledChunk, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -214,41 +214,61 @@ class ModelRunner:
         self.memory.apply(plan.cache_ops)
         if not plan.chunks:
             return RunnerOutput([]) if self.parallel.is_driver else None
+        native, chunks = self.native_decode, plan.chunks
+        if native is not None and len(chunks) <= MAX_NATIVE_ROWS and all(c.is_decode for c in chunks):
+            return self._execute_native(native, chunks)
         # Decode rows first (one token continuing from the live slot), sorted by slot so that
         # their states form one contiguous run of the pool; then prefill chunks.
-        chunks = plan.chunks
         order = sorted(
             range(len(chunks)),
             key=lambda i: (not chunks[i].is_decode, chunks[i].slot if chunks[i].is_decode else 0),
         )
         items = [chunks[i] for i in order]
         graphs = self.decode_graphs
-        native = self.native_decode
-        if native is not None and len(items) <= MAX_NATIVE_ROWS and all(c.is_decode for c in items):
-            # A few decode rows: no batch tensors, the forward and the LM head are one C call,
-            # and every row gets its logits.
-            logits = native(items)
-            row_ranges = [(row, row) for row in range(len(items))]
+        if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
+            # On the host: the graphs' input buffers take it through a pinned staging copy.
+            batch, row_ranges = self._build_batch(items, torch.device("cpu"))
+            hidden = graphs.run(batch)
         else:
-            if graphs is not None and all(c.is_decode for c in items) and graphs.bucket(len(items)):
-                # On the host: the graphs' input buffers take it through a pinned staging copy.
-                batch, row_ranges = self._build_batch(items, torch.device("cpu"))
-                hidden = graphs.run(batch)
-            else:
-                batch, row_ranges = self._build_batch(items, self.device)
-                decode_only = batch.num_decode == batch.num_tokens
-                compiled = self.compiled_decode
-                hidden = (compiled if decode_only and compiled else self.model)(batch, self.caches)
-            logits_indices = batch.logits_indices
-            if logits_indices.numel() == 0:
-                # Only mid-prompt chunks: no logits are needed, on any rank.
-                return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
-            # Row indices in increasing order: as many as rows means every row (a decode batch).
-            every_row = logits_indices.numel() == hidden.shape[0]
-            logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
-            if logits is None:
-                return None  # not the driver: rank 0 samples
+            batch, row_ranges = self._build_batch(items, self.device)
+            decode_only = batch.num_decode == batch.num_tokens
+            compiled = self.compiled_decode
+            hidden = (compiled if decode_only and compiled else self.model)(batch, self.caches)
+        logits_indices = batch.logits_indices
+        if logits_indices.numel() == 0:
+            # Only mid-prompt chunks: no logits are needed, on any rank.
+            return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
+        # Row indices in increasing order: as many as rows means every row (a decode batch).
+        every_row = logits_indices.numel() == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
+        if logits is None:
+            return None  # not the driver: rank 0 samples
+        return self._outputs(items, order, logits, row_ranges)
 
+    def _execute_native(self, native: NativeDecode, chunks: list[ScheduledChunk]) -> RunnerOutput:
+        """A few decode rows: no batch tensors; the forward, the LM head and each row's argmax
+        are one C call. Rows of plain greedy decoding (the usual case) take that argmax as
+        their token. Whether they all are is settled before the call: after it, the
+        interpreter runs from caches that the step's weights have just flushed, several times
+        slower, so it builds their samples and nothing else."""
+        if all(
+            c.sampling is not None and c.prompt_logprobs is None and is_plain_greedy(c.sampling)
+            for c in chunks
+        ):
+            return RunnerOutput(greedy_samples(native(chunks).greedy_token_ids))
+        logits = native(chunks).logits
+        rows = range(len(chunks))
+        return self._outputs(chunks, list(rows), logits, [(row, row) for row in rows])
+
+    def _outputs(
+        self,
+        items: list[ScheduledChunk],
+        order: list[int],
+        logits: torch.Tensor,
+        row_ranges: list[tuple[int, int]],
+    ) -> RunnerOutput:
+        """Samples and prompt scores of the step's chunks, `items[i]` being plan chunk
+        `order[i]` and scoring `logits[first : last + 1]` for `(first, last) = row_ranges[i]`."""
         samples: list[Sample | None] = [None] * len(items)
         scored: dict[str, list[TokenLogprobs]] = {}
         sample_positions: list[int] = []

@@ -1,7 +1,8 @@
 """Small decode steps on the CPU as one C call (kernels/cpu_decode_step.py).
 
 The model runner sends a step here when it is up to MAX_ROWS (8) decode rows (as many
-requests generating); the call returns their logits, the LM head included. Every other step
+requests generating); the call returns their logits, the LM head included, and each row's
+argmax (the greedy token: a step of plain greedy rows needs no sampler). Every other step
 runs as before (compiled or eager). The C kernel gets the model once, as a table of weight
 pointers and sizes built from the loaded modules, and the pools' addresses and strides; a
 step passes each row's token, context length, block table and Mamba slot.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +40,14 @@ logger = logging.getLogger(__name__)
 # Decode rows a native step takes: up to the C mat-vec's (beyond them oneDNN's packed GEMM, in
 # the compiled or eager step, catches up with it).
 MAX_ROWS = GEMV_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStep:
+    """A native step's result, one row per decode row."""
+
+    logits: torch.Tensor  # float32 (rows, vocab), as `compute_logits` gives them
+    greedy_token_ids: list[int]  # each row's argmax, as torch.argmax picks it
 
 
 class Unsupported(Exception):
@@ -92,6 +102,8 @@ class NativeDecode:
         self._step = Step(0, self._seq_lens.ctypes.data, None, 0, self._slots.ctypes.data)
         self._step_pointer = ctypes.pointer(self._step)
         self._tokens_address = self._tokens.ctypes.data
+        self._greedy = np.zeros(MAX_ROWS, np.int64)
+        self._greedy_address = self._greedy.ctypes.data
         self.num_steps = self.num_rows = 0  # steps run here, and their decode rows
 
     @classmethod
@@ -108,10 +120,9 @@ class NativeDecode:
         logger.info("native decode step: steps of up to %d decode rows run as one C call", MAX_ROWS)
         return native
 
-    def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The float32 logits (rows, vocab) of up to MAX_ROWS decode rows, in order, as
-        `compute_logits` gives them; their states and KV slots are written as the model's step
-        writes them."""
+    def __call__(self, chunks: list[ScheduledChunk]) -> NativeStep:
+        """The logits of up to MAX_ROWS decode rows, in order, and their greedy tokens; their
+        states and KV slots are written as the model's step writes them."""
         rows = len(chunks)
         if not (1 <= rows <= MAX_ROWS and all(c.is_decode for c in chunks)):
             # The scratch holds MAX_ROWS rows: more would write past it.
@@ -127,11 +138,17 @@ class NativeDecode:
             self._seq_lens[r], self._slots[r] = chunk.end, chunk.slot
             self._tokens[r] = chunk.token_ids[0]
         self._step.rows = rows
-        out = torch.empty((rows, self.vocab_size), dtype=torch.float32)
+        logits = torch.empty((rows, self.vocab_size), dtype=torch.float32)
         self.num_steps += 1
         self.num_rows += rows
-        self.kernel(self._model_pointer, self._step_pointer, self._tokens_address, out.data_ptr())
-        return out
+        self.kernel(
+            self._model_pointer,
+            self._step_pointer,
+            self._tokens_address,
+            logits.data_ptr(),
+            self._greedy_address,
+        )
+        return NativeStep(logits, self._greedy[:rows].tolist())
 
     # ---- the model's table ------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ CANDIDATES = 256
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
         """logits (R, V) float32, one row per SamplingRow -> one Sample per row."""
+        if all(is_plain_greedy(row) for row in rows):
+            return greedy_samples(logits.argmax(dim=-1).tolist())
         counts = [len(row.seeds) for row in rows]
         draws = [(row, seed) for row in rows for seed in row.seeds]
         expanded = [row for row, _ in draws]
@@ -62,6 +64,27 @@ class Sampler:
             )
             first += count
         return samples
+
+
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is its logits' argmax and nothing else is asked of it: greedy,
+    one choice, nothing that edits the logits, no logprobs."""
+    return (
+        row.temperature == 0.0
+        and len(row.seeds) == 1
+        and not row.logit_bias
+        and not row.banned_token_ids
+        and row.allowed_token_bitmask is None
+        and not row.presence_penalty
+        and not row.frequency_penalty
+        and row.repetition_penalty == 1.0
+        and row.num_logprobs is None
+    )
+
+
+def greedy_samples(token_ids: list[int]) -> list[Sample]:
+    """The samples of plain greedy rows (`is_plain_greedy`) from their argmax tokens."""
+    return [Sample((token_id,), None) for token_id in token_ids]
 
 
 def _apply_bias_and_masks(work: torch.Tensor, rows: list[SamplingRow]) -> None:

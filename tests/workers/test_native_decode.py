@@ -224,6 +224,39 @@ def test_it_writes_the_states_and_scores_the_models_step_does():
     assert_pools_at_baseline(llm.engine)
 
 
+@pytest.mark.parametrize("lm_head", ["trained", "zeros", "nan_row"])
+def test_each_rows_greedy_token_is_torchs_argmax_of_its_logits(lm_head):
+    """The kernel's argmax, kept per thread and compared across threads, picks what
+    torch.argmax picks: with every logit zero the first (a tie across threads' pieces), and
+    a NaN over any number. Three requests at a time: each step has several rows."""
+    llm = LLM("tiny")
+    runner = llm.engine.executor.driver
+    native = runner.native_decode
+    weight = runner.model.lm_head_weight
+    nan_token = weight.shape[0] - 7  # in the last pieces of four, past the first thread's
+    with torch.no_grad():
+        if lm_head == "zeros":
+            weight.zero_()
+        elif lm_head == "nan_row":
+            weight[nan_token] = float("nan")
+    steps = []
+
+    def recorded(chunks):
+        steps.append(native(chunks))
+        return steps[-1]
+
+    runner.native_decode = recorded
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(random_prompts([9, 14, 3], seed=5), params, use_tqdm=False)
+    assert {len(step.greedy_token_ids) for step in steps} == {3}
+    for step in steps:
+        assert step.greedy_token_ids == step.logits.argmax(dim=-1).tolist()
+    expected = {"zeros": 0, "nan_row": nan_token}.get(lm_head)
+    if expected is not None:
+        assert {t for step in steps for t in step.greedy_token_ids} == {expected}
+    assert_pools_at_baseline(llm.engine)
+
+
 def _pools(runner):
     caches = runner.caches
     return [pool for pool in (caches.conv, caches.ssm, caches.kv) if pool is not None]

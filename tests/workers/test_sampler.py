@@ -57,6 +57,35 @@ def test_greedy_is_argmax():
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize(
+    "asks",
+    [
+        {"seeds": (1, 2)},
+        {"logit_bias": ((3, 100.0),)},
+        {"banned_token_ids": (3,)},
+        {"presence_penalty": 0.5, "output_token_ids": (3,)},
+        {"frequency_penalty": 0.5, "output_token_ids": (3,)},
+        {"repetition_penalty": 1.3, "prompt_token_ids": (3,)},
+        {"allowed_token_bitmask": b"\x08" + bytes(7)},
+        {"num_logprobs": 1},
+    ],
+)
+def test_a_greedy_row_that_asks_more_than_the_argmax_is_not_plain(asks):
+    """Plain greedy rows skip the sampler's work (their argmax is their token): every other
+    control keeps a greedy row on the full path."""
+    assert sampler_module.is_plain_greedy(row(temperature=0.0))
+    assert not sampler_module.is_plain_greedy(row(temperature=0.5))
+    fields = {"temperature": 0.0, "top_p": 1.0, "top_k": None, "seeds": (0,), **asks}
+    greedy_with_more = SamplingRow(**fields)
+    assert not sampler_module.is_plain_greedy(greedy_with_more)
+    logits = random_logits(2)
+    samples = Sampler().sample(logits, [row(temperature=0.0), greedy_with_more])
+    assert samples[0].token_ids == (logits[0].argmax().item(),)
+    assert samples[0].logprobs is None
+    if "logit_bias" in asks or "allowed_token_bitmask" in asks:
+        assert samples[1].token_ids[0] == 3  # the full path edited the row's logits
+
+
 def test_sampling_does_not_modify_the_logits():
     logits = random_logits(2)
     before = logits.clone()
