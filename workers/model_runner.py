@@ -215,7 +215,11 @@ class ModelRunner:
         if not plan.chunks:
             return RunnerOutput([]) if self.parallel.is_driver else None
         native, chunks = self.native_decode, plan.chunks
-        if native is not None and len(chunks) <= MAX_NATIVE_ROWS and all(c.is_decode for c in chunks):
+        if (
+            native is not None
+            and len(chunks) <= MAX_NATIVE_ROWS
+            and all(c.is_decode for c in chunks)
+        ):
             return self._execute_native(native, chunks)
         # Decode rows first (one token continuing from the live slot), sorted by slot so that
         # their states form one contiguous run of the pool; then prefill chunks.

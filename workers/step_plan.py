@@ -41,7 +41,11 @@ def mix_seed(*values: int) -> int:
     return state >> 1
 
 
-@dataclass(frozen=True, slots=True)
+# SamplingRow and ScheduledChunk are not frozen, though nothing changes them once built: the
+# scheduler builds one of each per running request per step, and a frozen dataclass's
+# __init__ sets every field through object.__setattr__ (~1.3 us more each; 256 running
+# requests' host step went from ~3.1 to ~2.6 ms without it).
+@dataclass(slots=True)
 class SamplingRow:
     """How to sample from one logits row (sampler.py). Penalties need the tokens they count,
     so a row that uses them carries them; every other row carries nothing extra."""
@@ -65,7 +69,7 @@ class SamplingRow:
     num_logprobs: int | None = None  # return the drawn token's logprob and the top N
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     request_id: str
     token_ids: list[int]
