@@ -203,6 +203,7 @@ class SideBySide:
     service: dict[str, float]
     entry: str  # "direct ingress" or "Serve proxy"
     cpu_wait_policy: str  # how the service's engines' threads waited (the Coordinator's choice)
+    cpu_binding: dict[str, list[int] | None]  # engine -> the cores it was bound to (None: not)
     offline_threads: int
 
 
@@ -229,6 +230,7 @@ def side_by_side(
     rounds: int,
     sustained_requests: int,
     cpu_wait_policy: str,
+    cpu_binding: str,
     offline_threads: int,
     seed: int,
 ) -> SideBySide:
@@ -246,11 +248,13 @@ def side_by_side(
         "torch_threads": torch_threads,
         "stream_interval": stream_interval,
         "cpu_wait_policy": cpu_wait_policy,
+        "cpu_binding": cpu_binding,
     }
     local.connect_ray()
     try:
         proxy_url = local.deploy(config, port=local.free_port())
         waited = local.coordinator().cpu_wait_policy.remote().result()
+        bound = local.coordinator().cpu_binding.remote().result()
         direct_url = local.direct_url()
         base_url = direct_url or proxy_url
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
@@ -286,7 +290,16 @@ def side_by_side(
     finally:
         local.shutdown()
     entry = "direct ingress" if direct_url else "Serve proxy"
-    return SideBySide(offline.summary(), service.summary(), entry, waited, threads)
+    return SideBySide(offline.summary(), service.summary(), entry, waited, bound, threads)
+
+
+def bound_cores(binding: dict[str, list[int] | None]) -> str:
+    """How the engines were bound, for the console: "cores prefill-0:0 decode-0:1" or
+    "unbound"."""
+    bound = {name: cores for name, cores in binding.items() if cores is not None}
+    if not bound:
+        return "unbound"
+    return "cores " + " ".join(f"{n}:{','.join(map(str, c))}" for n, c in bound.items())
 
 
 async def _all(client: Any, model: str, batch: list[Prompt]) -> None:
@@ -343,6 +356,12 @@ def main() -> None:
         default="auto",
         help="the service's cpu_wait_policy (default: auto)",
     )
+    parser.add_argument(
+        "--cpu-binding",
+        choices=["auto", "off"],
+        default="auto",
+        help="the service's cpu_binding (default: auto)",
+    )
     parser.add_argument("--output", default="bench/results/service_overhead.json")
     args = parser.parse_args()
     if args.offline_threads is not None and args.offline_threads < 1:
@@ -384,6 +403,7 @@ def main() -> None:
                     args.rounds,
                     args.sustained_requests,
                     args.cpu_wait_policy,
+                    args.cpu_binding,
                     largest_engine(threads)
                     if args.offline_threads is None
                     else args.offline_threads,
@@ -399,6 +419,7 @@ def main() -> None:
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
                     "cpu_wait_policy": run.cpu_wait_policy,
+                    "cpu_binding": run.cpu_binding,
                     "offline_threads": run.offline_threads,
                     "throughput_ratio": service["output_tokens_per_s"]
                     / offline["output_tokens_per_s"],
@@ -419,8 +440,8 @@ def main() -> None:
             f"{srv['sustained_output_tokens_per_s']:>5.0f}   "
             f"TTFT {row['ttft_added_ms']:+.1f} ms, ITL {row['itl_ratio']:.2f}x, "
             f"tok/s {row['throughput_ratio']:.0%} / {row['sustained_throughput_ratio']:.0%}"
-            f"  ({row['entry']}, threads wait {row['cpu_wait_policy']}, offline engine "
-            f"{row['offline_threads']} threads)"
+            f"  ({row['entry']}, threads wait {row['cpu_wait_policy']}, "
+            f"{bound_cores(row['cpu_binding'])}, offline engine {row['offline_threads']} threads)"
         )
     write_result(
         args.output,

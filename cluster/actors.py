@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from hybridserve.cluster.cpu_binding import claim_and_bind, free_cores, shares_a_pool
 from hybridserve.cluster.feed_server import FeedServer, FeedSession, TokenOutbox
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
@@ -180,6 +181,7 @@ class EngineActor:
                     node_address=ray.util.get_node_ip_address(),
                 ),
             )
+        self.placement = placement
         # Ray runs an async actor's constructor on its event loop.
         self.router_events = (
             None
@@ -214,7 +216,27 @@ class EngineActor:
         self.feeds = FeedServer(f"engine {name}", host, functools.partial(TokenOutbox, self.worker))
 
     def describe(self) -> dict[str, Any]:
-        return self.worker.describe()
+        """The worker's description, and where this process runs (`EnginePlacement`)."""
+        return self.worker.describe() | {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cpu_cores": list(free_cores()),
+            # A tensor-parallel engine's other ranks are processes of their own; in a
+            # container that shares its cores with others, nothing is bound.
+            "bindable": self.placement is None and not shares_a_pool(),
+        }
+
+    def bind_cpus(self, cores: list[int]) -> bool:
+        """Confine this engine's process, its OpenMP team included, to `cores` (the
+        Coordinator's `cpu_binding`); False if another process on the node claimed one of
+        them meanwhile (it then stays unbound)."""
+        bound = claim_and_bind(cores)
+        if bound:
+            logger.info("engine %s: bound to cores %s", self.worker.name, cores)
+        else:
+            logger.warning(
+                "engine %s: cores %s were taken meanwhile; unbound", self.worker.name, cores
+            )
+        return bound
 
     def health(self, stall_timeout_s: float | None = None) -> None:
         """Raises if the engine cannot serve any more (one of its ranks failed, or its

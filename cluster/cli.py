@@ -281,6 +281,13 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
         "teams of threads outnumber the cores, else active (default: auto)",
     )
     group.add_argument(
+        "--cpu-binding",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: bind each CPU engine's process to cores of its own where a node's engines "
+        "fit its cores; off: the OS places their threads (default: auto)",
+    )
+    group.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -306,6 +313,7 @@ def service_config(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_name": args.served_model_name,
         "torch_threads": args.torch_threads,
         "cpu_wait_policy": args.cpu_wait_policy,
+        "cpu_binding": args.cpu_binding,
         "stream_interval": args.stream_interval,
         "max_queued_requests": None if args.max_queued_requests < 0 else args.max_queued_requests,
     }

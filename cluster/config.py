@@ -119,6 +119,15 @@ class ServiceConfig(BaseModel):
         "'auto': brief exactly where two or more engine ranks run several threads each and "
         "the CPU engines' threads outnumber the cores of the Coordinator's node, else active",
     )
+    cpu_binding: Literal["auto", "off"] = Field(
+        "auto",
+        description="'auto': on each node where its CPU engines' threads fit its cores, bind "
+        "each engine's process to cores of its own (consecutive, in engine order), so that "
+        "two engines never take turns on a core mid-step; where they do not fit, or a "
+        "tensor-parallel CPU engine runs there, the node's engines stay unbound. The router, "
+        "the ingress and Ray's own processes are never bound. 'off': the OS places every "
+        "thread",
+    )
     stream_interval: int = Field(
         1,
         ge=1,

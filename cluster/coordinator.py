@@ -10,7 +10,9 @@ index entries go with it), its actors are killed or its placement group removed,
 restarted after a backoff (`max_engine_restarts`, `engine_restart_backoff_s`, doubling per
 attempt) as a new incarnation under the same name, with an empty index. The service stays
 healthy while at least one decode engine is alive. On shutdown it drains the engines, then
-removes their placement groups.
+removes their placement groups. Once the engines are up (and as each restarts) it binds the CPU
+engines of each node to cores of their own where they fit (`cpu_binding`,
+cluster/cpu_binding.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import uuid
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -35,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridserve.cluster.actors import EngineActor, RouterActor
 from hybridserve.cluster.config import ServiceConfig, cpu_wait
+from hybridserve.cluster.cpu_binding import EnginePlacement, assign_cores, node_cores
 from hybridserve.cluster.ray_executor import bundle_options
 from hybridserve.transceiver.auth import new_secret
 from hybridserve.workers import EngineConfig
@@ -43,27 +45,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # an engine's actor answers health() on its event loop, at once
 PLACEMENT_TIMEOUT_S = 120.0
-
-
-def node_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The cores this process may run on: its CPU affinity, capped by its container's CPU
-    quota (cgroup v2 `cpu.max`, or v1 `cpu/cpu.cfs_quota_us`), which affinity does not
-    show."""
-    cores = len(os.sched_getaffinity(0))
-    for quota_file, period_file in (
-        (cgroup / "cpu.max", None),
-        (cgroup / "cpu" / "cpu.cfs_quota_us", cgroup / "cpu" / "cpu.cfs_period_us"),
-    ):
-        try:
-            fields = quota_file.read_text().split()
-            if period_file is not None:
-                fields.append(period_file.read_text().strip())
-            quota, period = int(fields[0]), int(fields[1])
-        except (OSError, ValueError, IndexError):  # no such cgroup, or "max": no quota
-            continue
-        if quota > 0 and period > 0:
-            return max(1, min(cores, math.ceil(quota / period)))
-    return cores
 
 
 @serve.deployment(num_replicas=1, health_check_period_s=5, health_check_timeout_s=30)
@@ -112,6 +93,12 @@ class Coordinator:
             "eos_token_ids": described[0]["eos_token_ids"],
             "max_model_len": min(d["max_model_len"] for d in described),
         }
+        # Where each CPU engine runs, and the cores it is bound to (None: unbound).
+        self.placements: dict[str, EnginePlacement] = {}
+        self.cpu_bindings: dict[str, tuple[int, ...] | None] = {}
+        bindings = self._assign_cores(dict(zip(self.engines, described, strict=True)))
+        bound = ray.get([self.engines[n].bind_cpus.remote(list(c)) for n, c in bindings.items()])
+        self._unbound(name for name, ok in zip(bindings, bound, strict=True) if not ok)
         self.dead: set[str] = set()
         # A restarted engine is a new incarnation under its old name; reports about an older
         # one are stale (mark_dead ignores them).
@@ -181,6 +168,44 @@ class Coordinator:
                 self.engine_wait,
                 self.config.cpu_wait_policy,
             )
+
+    def _assign_cores(self, described: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+        """Record where the `described` engines (name -> `describe()`) run; the cores to bind
+        each CPU engine among them to (`cpu_binding`, cluster/cpu_binding.py), where any."""
+        if self.config.cpu_binding == "off":
+            return {}
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        placing = [
+            EnginePlacement(
+                name,
+                d["node_id"],
+                d["cpu_threads"],
+                tuple(d["cpu_cores"]),
+                d["bindable"],
+            )
+            for name, d in described.items()
+            if not self.config.on_gpu(self.config.engine_names()[name], cluster_gpus)
+        ]
+        others = [e for name, e in self.placements.items() if name not in described]
+        assigned = assign_cores(placing, others, self.cpu_bindings)
+        self.placements.update((e.name, e) for e in placing)
+        self.cpu_bindings.update(assigned)
+        for name, cores in assigned.items():
+            if cores is None:
+                logger.info(
+                    "engine %s: not bound to cores (its node's CPU engines need more threads "
+                    "than it has cores, or one of them cannot be bound)",
+                    name,
+                )
+        return {name: cores for name, cores in assigned.items() if cores is not None}
+
+    def _unbound(self, names: Iterable[str]) -> None:
+        """Engines whose cores another process claimed first: they run unbound."""
+        self.cpu_bindings.update(dict.fromkeys(names, None))
+
+    def cpu_binding(self) -> dict[str, list[int] | None]:
+        """The cores each CPU engine is bound to (None: unbound; benchmark records)."""
+        return {n: None if c is None else list(c) for n, c in self.cpu_bindings.items()}
 
     def _with_engine_env(self, options: dict[str, Any]) -> dict[str, Any]:
         """An engine actor's `options` with the engines' variables in its runtime
@@ -263,6 +288,9 @@ class Coordinator:
                 remove_placement_group(group)
             self._schedule_restart(name)
             return
+        for cores in self._assign_cores({name: described}).values():
+            if not await handle.bind_cpus.remote(list(cores)):
+                self._unbound([name])
         self.engines[name] = handle
         self.addresses[name] = described["address"]
         self.incarnations[name] = incarnation

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybridserve.cluster.cpu_binding import free_cores, shares_a_pool
+
 pytestmark = pytest.mark.slow
 
 
@@ -28,3 +30,15 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
         assert row["itl_ratio"] == pytest.approx(service["itl_ms"] / offline["itl_ms"])
         assert row["cpu_wait_policy"] == "active"  # 1 thread per engine: nothing spins
         assert row["offline_threads"] == 1  # as many as the run's largest engine
+    # cpu_binding "auto": one engine, or two of a thread each, each on a core of its own where
+    # the node has them free.
+    free = 0 if shares_a_pool() else len(free_cores())
+    for label, row in systems.items():
+        names = ["colocated-0"] if label.startswith("colocated") else ["prefill-0", "decode-0"]
+        binding = row["cpu_binding"]
+        assert list(binding) == names
+        if free >= len(names):
+            cores = [core for bound in binding.values() for core in bound]
+            assert len(cores) == len(names) == len(set(cores))  # one each, none twice
+        else:
+            assert set(binding.values()) == {None}

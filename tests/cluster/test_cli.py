@@ -113,11 +113,12 @@ def test_serve_flags_become_the_service_config():
     from hybridserve.cluster.cli import build_parser, service_config
 
     argv = ["serve", "--num-prefill", "0", "--torch-threads", "2", "--stream-interval", "4"]
-    argv += ["--cpu-wait-policy", "brief"]
+    argv += ["--cpu-wait-policy", "brief", "--cpu-binding", "off"]
     config = service_config(build_parser().parse_args(argv))
     assert (config["num_prefill"], config["torch_threads"], config["stream_interval"]) == (0, 2, 4)
-    assert config["cpu_wait_policy"] == "brief"
+    assert (config["cpu_wait_policy"], config["cpu_binding"]) == ("brief", "off")
     defaults = service_config(build_parser().parse_args(["serve"]))
     assert (defaults["stream_interval"], defaults["cpu_wait_policy"]) == (1, "auto")
+    assert defaults["cpu_binding"] == "auto"
     with pytest.raises(ValidationError, match="stream_interval"):
         service_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))

@@ -154,6 +154,7 @@ def test_gpu_engines_threads_are_not_counted_against_the_cores():
         ({"torch_threads": 0}, "thread counts are at least 1"),
         ({"stream_interval": 0}, "stream_interval"),
         ({"cpu_wait_policy": "spin"}, "cpu_wait_policy"),
+        ({"cpu_binding": "on"}, "cpu_binding"),
         ({"torch_threads": {"decode": 0}}, "thread counts are at least 1"),
         ({"torch_threads": {"decoder": 1}}, "torch_threads"),
     ],

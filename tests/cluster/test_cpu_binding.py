@@ -1,0 +1,178 @@
+"""Cores for the CPU engines of a node: how many a node has (affinity, capped by a
+container's CPU quota), which engine gets which (the spec's rules as worked examples), and
+the node's claims, in processes of their own. The Coordinator binds real engines in the
+service tests (tests/cluster/test_service.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cluster.cpu_binding import (
+    EnginePlacement,
+    assign_cores,
+    free_cores,
+    node_cores,
+    shares_a_pool,
+)
+
+AFFINITY = len(os.sched_getaffinity(0))
+
+
+def cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({}, AFFINITY),  # no cgroup files: the affinity
+        ({"cpu.max": "max 100000\n"}, AFFINITY),  # v2, no quota
+        ({"cpu.max": "50000 100000\n"}, 1),  # half a core: still one
+        ({"cpu.max": "100000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, AFFINITY),
+        ({"cpu.max": "garbage\n"}, AFFINITY),
+    ],
+)
+def test_node_cores_is_the_affinity_capped_by_the_container_quota(tmp_path, files, expected):
+    assert node_cores(cgroup(tmp_path, files)) == expected
+
+
+def test_a_quota_above_the_affinity_does_not_raise_it(tmp_path):
+    quota = f"{(AFFINITY + 3) * 100000} 100000\n"
+    assert node_cores(cgroup(tmp_path, {"cpu.max": quota})) == AFFINITY
+
+
+def test_a_container_with_less_quota_than_cores_shares_a_pool(tmp_path):
+    assert not shares_a_pool(cgroup(tmp_path, {}))
+    if AFFINITY > 1:
+        assert shares_a_pool(cgroup(tmp_path, {"cpu.max": "100000 100000\n"}))
+
+
+def engine(name: str, threads: int = 1, cores=(0, 1), node: str = "a", **more) -> EnginePlacement:
+    return EnginePlacement(name, node, threads, tuple(cores), **more)
+
+
+def test_engines_that_fit_take_consecutive_cores_of_their_own_in_order():
+    placed = assign_cores([engine("prefill-0"), engine("decode-0")])
+    assert placed == {"prefill-0": (0,), "decode-0": (1,)}
+    wide = assign_cores(
+        [engine("p", 2, range(8)), engine("d", 3, range(8)), engine("c", 1, range(8))]
+    )
+    assert wide == {"p": (0, 1), "d": (2, 3, 4), "c": (5,)}
+
+
+def test_engines_that_do_not_fit_stay_unbound_all_of_them():
+    assert assign_cores([engine("p", 2), engine("d", 1)]) == {"p": None, "d": None}
+    # Three one-thread engines on two cores: none bound, not two of them.
+    three = assign_cores([engine("p"), engine("d0"), engine("d1")])
+    assert set(three.values()) == {None}
+
+
+def test_only_cores_every_engine_may_use_and_no_one_holds_are_given():
+    # The free cores each engine reported (another service holds core 0 and 3).
+    placed = assign_cores([engine("p", cores=(1, 2, 4)), engine("d", cores=(2, 4, 5))])
+    assert placed == {"p": (2,), "d": (4,)}
+
+
+def test_each_node_is_assigned_on_its_own():
+    placed = assign_cores(
+        [engine("p", 2, node="a"), engine("d0", 2, node="b"), engine("d1", 1, node="b")]
+    )
+    assert placed == {"p": (0, 1), "d0": None, "d1": None}  # b: 3 threads on 2 cores
+
+
+def test_a_tensor_parallel_engine_leaves_its_node_unbound():
+    placed = assign_cores(
+        [engine("p", node="a"), engine("d", node="a", bindable=False), engine("c", node="b")]
+    )
+    assert placed == {"p": None, "d": None, "c": (0,)}
+
+
+def test_a_restarted_engine_takes_the_cores_its_node_has_free():
+    running = [engine("p"), engine("d0", cores=(0, 1, 2))]
+    bound = {"p": (0,), "d0": (1,)}
+    restarted = engine("d1", cores=(0, 1, 2))
+    assert assign_cores([restarted], running, bound) == {"d1": (2,)}
+    # No core left for it: unbound.
+    assert assign_cores([engine("d1")], running, bound) == {"d1": None}
+    # An unbound engine on the node floats over every core: binding beside it gains nothing.
+    assert assign_cores([restarted], running, {"p": (0,), "d0": None}) == {"d1": None}
+    # Its old node's engines do not count on another node.
+    assert assign_cores([engine("d1", node="b")], running, bound) == {"d1": (0,)}
+
+
+BIND = """
+import json, os, sys, threading
+from pathlib import Path
+from hybridserve.cluster.cpu_binding import claim_and_bind, free_cores
+claims = Path(sys.argv[1])
+started = threading.Event()
+stop = threading.Event()
+def worker():
+    started.set()
+    stop.wait()
+before = threading.Thread(target=worker)
+before.start()
+started.wait()
+free = free_cores(claims)
+cores = [int(c) for c in sys.argv[2].split(",")]
+ok = claim_and_bind(cores, claims)
+after = threading.Thread(target=worker)
+after.start()
+masks = [sorted(os.sched_getaffinity(t.native_id)) for t in (before, after)]
+masks.append(sorted(os.sched_getaffinity(0)))
+stop.set()
+print(json.dumps({"free": list(free), "ok": ok, "masks": masks}))
+"""
+
+
+def bind_in_a_process(claims: Path, cores: list[int]) -> dict:
+    """A fresh process claims `cores` through `claims` and reports its threads' masks."""
+    run = subprocess.run(
+        [sys.executable, "-c", BIND, str(claims), ",".join(map(str, cores))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(run.stdout)
+
+
+def test_a_claim_binds_every_thread_of_its_process_and_later_ones(tmp_path):
+    core = min(os.sched_getaffinity(0))
+    result = bind_in_a_process(tmp_path / "claims.json", [core])
+    assert result["ok"]
+    assert result["masks"] == [[core]] * 3  # a thread started before, one after, the main one
+
+
+def test_a_live_process_s_claim_keeps_its_cores_and_a_dead_one_s_does_not(tmp_path):
+    claims = tmp_path / "claims.json"
+    core = min(os.sched_getaffinity(0))
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claims.write_text(json.dumps({str(holder.pid): [core]}))
+        assert core not in free_cores(claims)
+        refused = bind_in_a_process(claims, [core])
+        assert not refused["ok"]
+        assert core not in refused["free"]
+        assert refused["masks"][2] == sorted(os.sched_getaffinity(0))  # left unbound
+    finally:
+        holder.kill()
+        holder.wait()
+    assert core in free_cores(claims)  # its process is gone
+    assert bind_in_a_process(claims, [core])["ok"]
+
+
+def test_an_unreadable_claims_file_starts_afresh(tmp_path):
+    claims = tmp_path / "claims.json"
+    claims.write_text("{not json")
+    assert free_cores(claims) == tuple(sorted(os.sched_getaffinity(0)))
