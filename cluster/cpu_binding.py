@@ -4,7 +4,8 @@ Left to the OS, two engines on a node move between its cores: the prefill engine
 the decode engine's threads (or a Ray or Serve process) meet on one core now and then, and
 every OpenMP barrier of a step then waits for the thread that lost its core. On the 2-core
 benchmark VM, 1P1D with one thread per engine, binding each engine to a core of its own took
-the time the service adds to the first token from +8.4 to +10.4 ms down to +6.1 to +7.2 ms.
+the time the service adds to the first token from +8.7 and +11.6 ms to +5.4 and +5.9 ms
+(bench/service_overhead.py, two runs each).
 
 The Coordinator asks each engine where it runs (`EnginePlacement`: its node, its threads and
 the cores its process may use), assigns cores with `assign_cores` and tells each engine its
