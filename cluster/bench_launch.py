@@ -62,6 +62,12 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream-interval", type=int, default=1, help="tokens per streamed chunk (default: 1)"
     )
     launch.add_argument(
+        "--cpu-binding",
+        choices=["auto", "off"],
+        default="auto",
+        help="CPU engines on cores of their own where they fit (default: auto)",
+    )
+    launch.add_argument(
         "--engine-json",
         help=f"EngineConfig fields as JSON, over the defaults {json.dumps(LAUNCH_ENGINE)}",
     )
@@ -96,6 +102,7 @@ def launch_config(args: argparse.Namespace) -> dict[str, Any]:
         "decode_engine": role(args.decode_tp),
         "torch_threads": args.torch_threads,
         "stream_interval": args.stream_interval,
+        "cpu_binding": args.cpu_binding,
         "api_keys": [args.api_key] if args.api_key else [],
     }
     if args.rank_resources_json:

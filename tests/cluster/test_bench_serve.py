@@ -88,6 +88,11 @@ def test_the_topology_and_the_launched_service_config():
     args = parse(
         "--launch", *topology, "--rank-resources-json", '{"GPU": 1}', "--stream-interval", "2"
     )
+    assert bench_launch.launch_config(args)["cpu_binding"] == "auto"
+    assert (
+        bench_launch.launch_config(parse("--launch", "--cpu-binding", "off"))["cpu_binding"]
+        == "off"
+    )
     assert bench_launch.topology_label(args) == "2P(TP2)1D(TP4)"
     config = bench_launch.launch_config(args)
     assert config["stream_interval"] == 2
