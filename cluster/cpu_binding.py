@@ -77,7 +77,7 @@ class EnginePlacement:
     name: str
     node_id: str
     num_threads: int  # its OpenMP team (torch's threads)
-    cores: tuple[int, ...]  # the cores its process may run on (its affinity)
+    cores: tuple[int, ...]  # the cores it may run on that no other live process has claimed
     bindable: bool = True  # False: its work is not all in this process (tensor parallel)
 
 
