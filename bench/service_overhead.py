@@ -204,6 +204,7 @@ class SideBySide:
     entry: str  # "direct ingress" or "Serve proxy"
     cpu_wait_policy: str  # how the service's engines' threads waited (the Coordinator's choice)
     cpu_binding: dict[str, list[int] | None]  # engine -> the cores it was bound to (None: not)
+    cpu_placements: list[dict[str, Any]]  # where the engines said they ran when placed
     offline_threads: int
 
 
@@ -255,6 +256,7 @@ def side_by_side(
         proxy_url = local.deploy(config, port=local.free_port())
         waited = local.coordinator().cpu_wait_policy.remote().result()
         bound = local.coordinator().cpu_binding.remote().result()
+        placements = local.coordinator().cpu_placements.remote().result()
         direct_url = local.direct_url()
         base_url = direct_url or proxy_url
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0)
@@ -290,7 +292,9 @@ def side_by_side(
     finally:
         local.shutdown()
     entry = "direct ingress" if direct_url else "Serve proxy"
-    return SideBySide(offline.summary(), service.summary(), entry, waited, bound, threads)
+    return SideBySide(
+        offline.summary(), service.summary(), entry, waited, bound, placements, threads
+    )
 
 
 def bound_cores(binding: dict[str, list[int] | None]) -> str:
@@ -420,6 +424,7 @@ def main() -> None:
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
                     "cpu_wait_policy": run.cpu_wait_policy,
                     "cpu_binding": run.cpu_binding,
+                    "cpu_placements": run.cpu_placements,
                     "offline_threads": run.offline_threads,
                     "throughput_ratio": service["output_tokens_per_s"]
                     / offline["output_tokens_per_s"],

@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from hybridserve.cluster.cpu_binding import claim_and_bind, free_cores, shares_a_pool
+from hybridserve.cluster.cpu_binding import claim, free_cores, shares_a_pool
 from hybridserve.cluster.feed_server import FeedServer, FeedSession, TokenOutbox
 from hybridserve.cluster.prefix_index import PrefixIndex
 from hybridserve.cluster.router import Router, RouterConfig, RouteRefused
@@ -216,26 +216,35 @@ class EngineActor:
         self.feeds = FeedServer(f"engine {name}", host, functools.partial(TokenOutbox, self.worker))
 
     def describe(self) -> dict[str, Any]:
-        """The worker's description, and where this process runs (`EnginePlacement`)."""
-        return self.worker.describe() | {
+        return self.worker.describe()
+
+    def cpu_placement(self) -> dict[str, Any]:
+        """Where this engine runs, for the Coordinator's `cpu_binding` (`EnginePlacement`): its
+        node, its OpenMP threads, the cores it may use that no other live process on the node
+        has claimed (None: the claims could not be read), whether it can be bound, and the
+        cores its compute (the stepping thread) may run on now."""
+        return {
             "node_id": ray.get_runtime_context().get_node_id(),
-            "cpu_cores": list(free_cores()),
+            "cpu_threads": self.worker.cpu_threads,
+            "cpu_cores": free_cores(),
             # A tensor-parallel engine's other ranks are processes of their own; in a
             # container that shares its cores with others, nothing is bound.
             "bindable": self.placement is None and not shares_a_pool(),
+            "team_cores": self.worker.team_cores(),
         }
 
-    def bind_cpus(self, cores: list[int]) -> bool:
-        """Confine this engine's process, its OpenMP team included, to `cores` (the
-        Coordinator's `cpu_binding`); False if another process on the node claimed one of
-        them meanwhile (it then stays unbound)."""
-        bound = claim_and_bind(cores)
+    async def bind_cpus(self, cores: list[int]) -> bool:
+        """Claim `cores` on this node and confine this engine's compute (its stepping thread
+        and OpenMP team) to them; False, and unbound, where another process claimed one of
+        them meanwhile or the team could not be bound."""
+        if not claim(cores):
+            logger.warning("engine %s: cores %s are taken; unbound", self.worker.name, cores)
+            return False
+        bound = await asyncio.wrap_future(self.worker.bind_cores(cores))
         if bound:
-            logger.info("engine %s: bound to cores %s", self.worker.name, cores)
+            logger.info("engine %s: compute bound to cores %s", self.worker.name, cores)
         else:
-            logger.warning(
-                "engine %s: cores %s were taken meanwhile; unbound", self.worker.name, cores
-            )
+            claim([])  # give them back
         return bound
 
     def health(self, stall_timeout_s: float | None = None) -> None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -96,9 +96,10 @@ class Coordinator:
         # Where each CPU engine runs, and the cores it is bound to (None: unbound).
         self.placements: dict[str, EnginePlacement] = {}
         self.cpu_bindings: dict[str, tuple[int, ...] | None] = {}
-        bindings = self._assign_cores(dict(zip(self.engines, described, strict=True)))
-        bound = ray.get([self.engines[n].bind_cpus.remote(list(c)) for n, c in bindings.items()])
-        self._unbound(name for name, ok in zip(bindings, bound, strict=True) if not ok)
+        try:
+            self._bind_cores(list(self.engines))
+        except Exception as exc:  # an optimisation: never a reason not to serve
+            logger.warning("CPU binding skipped: %r", exc)
         self.dead: set[str] = set()
         # A restarted engine is a new incarnation under its old name; reports about an older
         # one are stale (mark_dead ignores them).
@@ -169,39 +170,48 @@ class Coordinator:
                 self.config.cpu_wait_policy,
             )
 
-    def _assign_cores(self, described: dict[str, dict[str, Any]]) -> dict[str, tuple[int, ...]]:
-        """Record where the `described` engines (name -> `describe()`) run; the cores to bind
-        each CPU engine among them to (`cpu_binding`, cluster/cpu_binding.py), where any."""
+    def _bind_cores(self, names: list[str]) -> None:
+        """Bind the CPU engines among `names` (just started) to cores of their own where
+        their nodes' engines fit (`cpu_binding`, cluster/cpu_binding.py); the others run
+        unbound. Blocks on the engines' answers."""
         if self.config.cpu_binding == "off":
-            return {}
+            return
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        cpu_engines = [
+            name for name in names if not self.config.on_gpu(self.roles[name], cluster_gpus)
+        ]
+        reported = ray.get([self.engines[name].cpu_placement.remote() for name in cpu_engines])
         placing = [
             EnginePlacement(
                 name,
-                d["node_id"],
-                d["cpu_threads"],
-                tuple(d["cpu_cores"]),
-                d["bindable"],
+                r["node_id"],
+                r["cpu_threads"] or 0,
+                tuple(r["cpu_cores"] or ()),
+                # Unknown threads (no OpenMP runtime) or unreadable claims: not bindable.
+                bindable=r["bindable"] and bool(r["cpu_threads"]) and r["cpu_cores"] is not None,
             )
-            for name, d in described.items()
-            if not self.config.on_gpu(self.config.engine_names()[name], cluster_gpus)
+            for name, r in zip(cpu_engines, reported, strict=True)
         ]
-        others = [e for name, e in self.placements.items() if name not in described]
+        others = [e for name, e in self.placements.items() if name not in names]
         assigned = assign_cores(placing, others, self.cpu_bindings)
         self.placements.update((e.name, e) for e in placing)
         self.cpu_bindings.update(assigned)
-        for name, cores in assigned.items():
-            if cores is None:
-                logger.info(
-                    "engine %s: not bound to cores (its node's CPU engines need more threads "
-                    "than it has cores, or one of them cannot be bound)",
-                    name,
-                )
-        return {name: cores for name, cores in assigned.items() if cores is not None}
+        chosen = {name: cores for name, cores in assigned.items() if cores is not None}
+        bound = ray.get([self.engines[n].bind_cpus.remote(list(c)) for n, c in chosen.items()])
+        for name, ok in zip(chosen, bound, strict=True):
+            if not ok:
+                self.cpu_bindings[name] = None
+        unbound = [name for name in assigned if self.cpu_bindings[name] is None]
+        if unbound:
+            logger.info(
+                "engines %s: not bound to cores (their node's CPU engines need more threads "
+                "than it has cores, one of them cannot be bound, or the cores were taken)",
+                ", ".join(unbound),
+            )
 
-    def _unbound(self, names: Iterable[str]) -> None:
-        """Engines whose cores another process claimed first: they run unbound."""
-        self.cpu_bindings.update(dict.fromkeys(names, None))
+    def cpu_placements(self) -> list[dict[str, Any]]:
+        """Where each CPU engine said it runs when it was placed (`EnginePlacement`)."""
+        return [dataclasses.asdict(placement) for placement in self.placements.values()]
 
     def cpu_binding(self) -> dict[str, list[int] | None]:
         """The cores each CPU engine is bound to (None: unbound; benchmark records)."""
@@ -288,9 +298,6 @@ class Coordinator:
                 remove_placement_group(group)
             self._schedule_restart(name)
             return
-        for cores in self._assign_cores({name: described}).values():
-            if not await handle.bind_cpus.remote(list(cores)):
-                self._unbound([name])
         self.engines[name] = handle
         self.addresses[name] = described["address"]
         self.incarnations[name] = incarnation
@@ -298,6 +305,10 @@ class Coordinator:
         await self.router.add_engine.remote(name, capacity, incarnation)
         self.dead.discard(name)
         logger.info("engine %s restarted (attempt %d, after %.1f s)", name, attempt, delay)
+        try:
+            await asyncio.to_thread(self._bind_cores, [name])
+        except Exception as exc:  # an optimisation: it serves unbound
+            logger.warning("engine %s: CPU binding skipped: %r", name, exc)
 
     async def check_health(self) -> None:
         await self._probe_engines()

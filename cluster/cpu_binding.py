@@ -8,19 +8,22 @@ the time the service adds to the first token from +8.7 and +11.6 ms to +5.4 and 
 (bench/service_overhead.py, two runs each).
 
 The Coordinator asks each engine where it runs (`EnginePlacement`: its node, its threads and
-the cores its process may use), assigns cores with `assign_cores` and tells each engine its
-own (`bind_process`). Only where they fit: on a node whose CPU engines need more threads than
-it has cores they share the cores unbound (and `cpu_wait_policy` decides how their threads
-wait), and an engine that cannot be bound (a tensor-parallel one: its ranks are other
-processes) leaves its node unbound. The router, the ingress and Ray's own processes are never
-bound: they run on whatever cores are free.
+the cores it may use that no other live process there has claimed), assigns cores with
+`assign_cores`, and each engine claims its cores (`claim`) and binds its compute to them: the
+thread that steps it and that thread's OpenMP team (`EngineWorker.bind_cores`). The engine's
+other threads (its event loop, transfer links, Ray's own) stay free to run on any core, as do
+the router, the ingress and Ray's processes. Only where they fit: on a node whose CPU engines
+need more threads than it has cores they share the cores unbound (and `cpu_wait_policy`
+decides how their threads wait), and an engine that cannot be bound (a tensor-parallel one:
+its ranks are other processes) leaves its node unbound. Binding is an optimisation: where
+anything about it fails, the engines run unbound.
 
-Two services on one node must not bind to the same cores: each engine binds through a claims
-file in the node's temporary folder (`claim_and_bind`; a claim lasts as long as its process),
-and reports only the cores no other live process there has claimed (`free_cores`). In a
-container whose CPU quota is smaller than the cores it may run on, its cores are a pool it
-shares with other containers that cannot see its claims: nothing is bound there
-(`shares_a_pool`).
+Two services on one node must not bind to the same cores: engines claim theirs in a file in the
+node's temporary folder, one per user (a claim lasts as long as its process), and report only
+the cores no other live process has claimed (`free_cores`); services of different users do not
+see each other's claims. In a container whose CPU quota is smaller than the cores it may run
+on, its cores are a pool it shares with other containers that cannot see its claims: nothing is
+bound there (`shares_a_pool`).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Node-local: which process holds which cores (pid -> cores), shared by every service there.
-CLAIMS_FILE = Path(tempfile.gettempdir()) / "hybridserve-cpu-claims.json"
+# Node-local: which process holds which cores (pid -> cores), shared by this user's services
+# there (one file per user: a file another user created in a shared temporary folder may not
+# be opened for writing).
+CLAIMS_FILE = Path(tempfile.gettempdir()) / f"hybridserve-cpu-claims-{os.getuid()}.json"
 CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -117,41 +122,52 @@ def assign_cores(
     return result
 
 
-def free_cores(claims_file: Path = CLAIMS_FILE) -> tuple[int, ...]:
-    """The cores this process may run on that no other live process on the node holds."""
-    with _claims(claims_file) as claims:
-        held = {core for pid, cores in claims.items() if pid != os.getpid() for core in cores}
+def free_cores(claims_file: Path = CLAIMS_FILE) -> tuple[int, ...] | None:
+    """The cores this process may run on that no other live process on the node holds; None
+    where the claims cannot be read (then nothing is bound)."""
+    try:
+        with _claims(claims_file) as claims:
+            held = {core for pid, cores in claims.items() if pid != os.getpid() for core in cores}
+    except OSError as exc:
+        logger.warning("CPU claims in %s: %s; not binding", claims_file, exc)
+        return None
     return tuple(sorted(os.sched_getaffinity(0) - held))
 
 
-def claim_and_bind(cores: Iterable[int], claims_file: Path = CLAIMS_FILE) -> bool:
-    """Claim `cores` for this process and bind it to them (`bind_process`); False, with
-    nothing done, where another live process has claimed one of them since it was told
-    they were free (another service placing its engines at the same moment)."""
-    wanted = sorted(set(cores))
-    with _claims(claims_file) as claims:
-        held = {core for pid, owned in claims.items() if pid != os.getpid() for core in owned}
-        if held & set(wanted):
-            return False
-        claims[os.getpid()] = wanted
-        bind_process(wanted)
+def claim(cores: list[int], claims_file: Path = CLAIMS_FILE) -> bool:
+    """Claim `cores` for this process; False, with nothing claimed, where another live process
+    holds one of them (another service placing its engines at the same moment) or the claims
+    cannot be written."""
+    try:
+        with _claims(claims_file) as claims:
+            held = {core for pid, owned in claims.items() if pid != os.getpid() for core in owned}
+            if held & set(cores):
+                return False
+            claims[os.getpid()] = sorted(cores)
+    except OSError as exc:
+        logger.warning("CPU claims in %s: %s; not binding", claims_file, exc)
+        return False
     return True
 
 
 @contextlib.contextmanager
 def _claims(claims_file: Path) -> Iterator[dict[int, list[int]]]:
     """The node's claims of live processes, under an exclusive lock; written back after."""
-    fd = os.open(claims_file, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(claims_file, os.O_RDWR | os.O_CREAT, 0o600)
     with os.fdopen(fd, "r+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         try:
             text = file.read()
             try:
                 stored = json.loads(text) if text.strip() else {}
-            except json.JSONDecodeError:
+                claims = {
+                    int(pid): [int(core) for core in cores]
+                    for pid, cores in stored.items()
+                    if _alive(int(pid))
+                }
+            except (ValueError, TypeError, AttributeError):
                 logger.warning("%s: unreadable CPU claims, starting afresh", claims_file)
-                stored = {}
-            claims = {int(pid): list(cores) for pid, cores in stored.items() if _alive(int(pid))}
+                claims = {}
             yield claims
             file.seek(0)
             file.truncate()
@@ -168,15 +184,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def bind_process(cores: Iterable[int]) -> None:
-    """Confine every thread of this process to `cores`; threads started later inherit it
-    from the thread that starts them. (os.sched_setaffinity sets one thread's mask on Linux,
-    so each of /proc/self/task's threads is set.)"""
-    mask = set(cores)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), mask)
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile

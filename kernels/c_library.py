@@ -144,6 +144,40 @@ def follow_torch_threads() -> int | None:
     return runtime.omp_get_max_threads()
 
 
+_BIND_TEAM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdint.h>
+
+/* Confine the calling thread and every member of its OpenMP team to the `count` cores: each
+   sets its own mask in one parallel region. Returns how many threads could not. */
+int bind_team(const int64_t *cores, int64_t count) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int64_t i = 0; i < count; ++i) CPU_SET((int)cores[i], &set);
+    int failed = 0;
+#pragma omp parallel reduction(+ : failed)
+    failed += sched_setaffinity(0, sizeof set, &set) != 0;
+    return failed;
+}
+"""
+
+
+def bind_team(cores: list[int]) -> bool:
+    """Confine the calling thread and its OpenMP team (the threads that run its parallel
+    regions, torch's and our kernels') to `cores`; threads the team starts later inherit the
+    mask from the calling thread. Other threads of the process stay where they are. Call it
+    on the thread that steps the engine, after `follow_torch_threads` (the region must be as
+    large as the team). False where it could not (no compiler, a core outside the process's
+    affinity)."""
+    library = load("bind_team", _BIND_TEAM_SOURCE)
+    if library is None or not cores:
+        return False
+    library.bind_team.restype = ctypes.c_int
+    library.bind_team.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return library.bind_team((ctypes.c_int64 * len(cores))(*cores), len(cores)) == 0
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cluster.cpu_binding import free_cores, shares_a_pool
+from hybridserve.cluster.cpu_binding import EnginePlacement, assign_cores
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +30,17 @@ def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
         assert row["itl_ratio"] == pytest.approx(service["itl_ms"] / offline["itl_ms"])
         assert row["cpu_wait_policy"] == "active"  # 1 thread per engine: nothing spins
         assert row["offline_threads"] == 1  # as many as the run's largest engine
-    # cpu_binding "auto": one engine, or two of a thread each, each on a core of its own where
-    # the node has them free.
-    free = 0 if shares_a_pool() else len(free_cores())
+    # cpu_binding "auto": each run's engines got what assign_cores gives them from what they
+    # reported when placed; one engine, or two of a thread each, on cores of their own.
     for label, row in systems.items():
         names = ["colocated-0"] if label.startswith("colocated") else ["prefill-0", "decode-0"]
         binding = row["cpu_binding"]
         assert list(binding) == names
-        if free >= len(names):
+        placed = [
+            EnginePlacement(**{**p, "cores": tuple(p["cores"])}) for p in row["cpu_placements"]
+        ]
+        expected = assign_cores(placed)
+        assert {n: None if c is None else list(c) for n, c in expected.items()} == binding
+        if all(p.bindable and len(p.cores) >= len(names) for p in placed):
             cores = [core for bound in binding.values() for core in bound]
             assert len(cores) == len(names) == len(set(cores))  # one each, none twice
-        else:
-            assert set(binding.values()) == {None}

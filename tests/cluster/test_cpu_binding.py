@@ -1,7 +1,8 @@
 """Cores for the CPU engines of a node: how many a node has (affinity, capped by a
 container's CPU quota), which engine gets which (the spec's rules as worked examples), and
-the node's claims, in processes of their own. The Coordinator binds real engines in the
-service tests (tests/cluster/test_service.py)."""
+the node's claims, with processes of their own; and a thread's OpenMP team bound to a core
+(kernels/c_library.bind_team). The Coordinator binds real engines in the service tests
+(tests/cluster/test_service.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from hybridserve.cluster.cpu_binding import (
     EnginePlacement,
     assign_cores,
+    claim,
     free_cores,
     node_cores,
     shares_a_pool,
@@ -111,68 +113,77 @@ def test_a_restarted_engine_takes_the_cores_its_node_has_free():
     assert assign_cores([engine("d1", node="b")], running, bound) == {"d1": (0,)}
 
 
-BIND = """
+BIND_TEAM = """
 import json, os, sys, threading
-from pathlib import Path
-from hybridserve.cluster.cpu_binding import claim_and_bind, free_cores
-claims = Path(sys.argv[1])
-started = threading.Event()
-stop = threading.Event()
-def worker():
-    started.set()
-    stop.wait()
-before = threading.Thread(target=worker)
-before.start()
-started.wait()
-free = free_cores(claims)
-cores = [int(c) for c in sys.argv[2].split(",")]
-ok = claim_and_bind(cores, claims)
-after = threading.Thread(target=worker)
-after.start()
-masks = [sorted(os.sched_getaffinity(t.native_id)) for t in (before, after)]
-masks.append(sorted(os.sched_getaffinity(0)))
+import torch
+from hybridserve.kernels import c_library
+torch.set_num_threads(2)
+c_library.follow_torch_threads()
+bystander_ready, stop = threading.Event(), threading.Event()
+bystander = threading.Thread(target=lambda: (bystander_ready.set(), stop.wait()))
+bystander.start()
+bystander_ready.wait()
+torch.ones(1 << 20).sum()  # the OpenMP team exists
+core = int(sys.argv[1])
+ok = c_library.bind_team([core])
+torch.ones(1 << 20).sum()
+masks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
 stop.set()
-print(json.dumps({"free": list(free), "ok": ok, "masks": masks}))
+print(json.dumps({
+    "ok": ok,
+    "main": masks[threading.get_native_id()],
+    "bystander": masks[bystander.native_id],
+    "bound": sum(m == [core] for m in masks.values()),
+}))
 """
 
 
-def bind_in_a_process(claims: Path, cores: list[int]) -> dict:
-    """A fresh process claims `cores` through `claims` and reports its threads' masks."""
+def test_binding_a_team_confines_the_stepping_thread_and_its_openmp_threads_only():
+    """The calling thread and its OpenMP team run on the given core; a thread of the same
+    process outside the team (an event loop, Ray's) does not move."""
+    cores = sorted(os.sched_getaffinity(0))
     run = subprocess.run(
-        [sys.executable, "-c", BIND, str(claims), ",".join(map(str, cores))],
+        [sys.executable, "-c", BIND_TEAM, str(cores[-1])],
         capture_output=True,
         text=True,
         check=True,
     )
-    return json.loads(run.stdout)
-
-
-def test_a_claim_binds_every_thread_of_its_process_and_later_ones(tmp_path):
-    core = min(os.sched_getaffinity(0))
-    result = bind_in_a_process(tmp_path / "claims.json", [core])
+    result = json.loads(run.stdout)
     assert result["ok"]
-    assert result["masks"] == [[core]] * 3  # a thread started before, one after, the main one
+    assert result["main"] == [cores[-1]]
+    assert result["bystander"] == cores
+    assert result["bound"] >= 2  # the calling thread and at least one team member
 
 
 def test_a_live_process_s_claim_keeps_its_cores_and_a_dead_one_s_does_not(tmp_path):
     claims = tmp_path / "claims.json"
     core = min(os.sched_getaffinity(0))
+    assert claim([core], claims)
+    assert core in free_cores(claims)  # its own claim does not count against it
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         claims.write_text(json.dumps({str(holder.pid): [core]}))
         assert core not in free_cores(claims)
-        refused = bind_in_a_process(claims, [core])
-        assert not refused["ok"]
-        assert core not in refused["free"]
-        assert refused["masks"][2] == sorted(os.sched_getaffinity(0))  # left unbound
+        assert not claim([core], claims)
+        assert json.loads(claims.read_text()) == {str(holder.pid): [core]}  # nothing claimed
     finally:
         holder.kill()
         holder.wait()
     assert core in free_cores(claims)  # its process is gone
-    assert bind_in_a_process(claims, [core])["ok"]
+    assert claim([core], claims)
+    assert json.loads(claims.read_text()) == {str(os.getpid()): [core]}
+    assert claim([], claims)  # given back
+    assert json.loads(claims.read_text()) == {str(os.getpid()): []}
 
 
-def test_an_unreadable_claims_file_starts_afresh(tmp_path):
+@pytest.mark.parametrize("text", ["{not json", '["a list"]', '{"12": "cores"}'])
+def test_unreadable_claims_start_afresh(tmp_path, text):
     claims = tmp_path / "claims.json"
-    claims.write_text("{not json")
+    claims.write_text(text)
     assert free_cores(claims) == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_claims_that_cannot_be_opened_mean_no_binding(tmp_path):
+    missing = tmp_path / "no-such-folder" / "claims.json"
+    assert free_cores(missing) is None
+    assert not claim([0], missing)

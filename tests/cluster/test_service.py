@@ -16,7 +16,7 @@ import openai
 import pytest
 import ray
 
-from hybridserve.cluster.cpu_binding import node_cores, shares_a_pool
+from hybridserve.cluster.cpu_binding import EnginePlacement, assign_cores
 from hybridserve.cluster.openai_protocol import derive_cache_salt
 from hybridserve.workers import LLM, SamplingParams
 from tests.service import (
@@ -323,29 +323,32 @@ def test_clearing_the_caches_empties_the_prefix_index_at_once(service):
 
 
 def test_cpu_engines_run_on_cores_of_their_own_where_they_fit(service, colocated_service):
-    """cpu_binding "auto": the 1 prefill + 2 decode engines (a thread each) are bound, each
-    to a core of its own, where the node has three cores; the colocated service's engine,
-    placed after them, takes a core they left. A bound engine's process runs on its cores
-    only; engines that do not fit stay unbound."""
-    cores = node_cores()
-    pool = shares_a_pool()
-    expected = {
-        "service": not pool and cores >= 3,
-        "colocated": not pool and cores - (3 if cores >= 3 else 0) >= 1,
-    }
+    """cpu_binding "auto": each service's CPU engines get the cores `assign_cores` gives them
+    from what they reported when placed (the 1 prefill + 2 decode engines need three free
+    cores; the colocated one, placed after them, one), and a bound engine's stepping thread
+    runs on those cores only, while its event loop still runs anywhere; no core is bound
+    twice."""
     held: list[int] = []
-    for shape, deployed in (("service", service), ("colocated", colocated_service)):
+    for deployed in (service, colocated_service):
         binding = deployed.coordinator.cpu_binding.remote().result()
+        placed = [
+            EnginePlacement(**{**p, "cores": tuple(p["cores"])})
+            for p in deployed.coordinator.cpu_placements.remote().result()
+        ]
         engines = deployed.engines()
-        assert set(binding) == set(engines)
-        assert all((cores is not None) == expected[shape] for cores in binding.values()), binding
-        described = ray.get([engines[name].describe.remote() for name in binding])
-        for bound, description in zip(binding.values(), described, strict=True):
+        assert set(binding) == {p.name for p in placed} == set(engines)
+        expected = assign_cores(placed)
+        assert {n: None if c is None else list(c) for n, c in expected.items()} == binding
+        reports = ray.get([engines[name].cpu_placement.remote() for name in binding])
+        for bound, report in zip(binding.values(), reports, strict=True):
             if bound is not None:
-                assert len(bound) == description["cpu_threads"] == 1
-                assert description["cpu_cores"] == bound  # its affinity now
+                assert report["team_cores"] == bound
+                assert set(bound) <= set(report["cpu_cores"])  # its own claim is not "held"
                 held += bound
-    assert len(held) == len(set(held))  # no core bound twice
+    assert len(held) == len(set(held))
+    colocated = placed[0]
+    if colocated.bindable and colocated.cores:  # a core was free: it must have been bound
+        assert binding[colocated.name] == [colocated.cores[0]]
 
 
 def test_zz_a_decode_engine_killed_mid_stream_ends_in_an_error_event(service):
