@@ -122,11 +122,11 @@ class ServiceConfig(BaseModel):
     cpu_binding: Literal["auto", "off"] = Field(
         "auto",
         description="'auto': on each node where its CPU engines' threads fit its cores, bind "
-        "each engine's process to cores of its own (consecutive, in engine order), so that "
-        "two engines never take turns on a core mid-step; where they do not fit, or a "
-        "tensor-parallel CPU engine runs there, the node's engines stay unbound. The router, "
-        "the ingress and Ray's own processes are never bound. 'off': the OS places every "
-        "thread",
+        "each engine's compute (its stepping thread and OpenMP team) to cores of its own "
+        "(consecutive, in engine order), so that two engines' steps never take turns on a "
+        "core; where they do not fit, or a tensor-parallel CPU engine runs there, the node's "
+        "engines stay unbound. Other threads and processes are never bound. 'off': the OS "
+        "places every thread",
     )
     stream_interval: int = Field(
         1,
