@@ -181,7 +181,6 @@ class EngineActor:
                     node_address=ray.util.get_node_ip_address(),
                 ),
             )
-        self.placement = placement
         # Ray runs an async actor's constructor on its event loop.
         self.router_events = (
             None
@@ -227,9 +226,10 @@ class EngineActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "cpu_threads": self.worker.cpu_threads,
             "cpu_cores": free_cores(),
-            # A tensor-parallel engine's other ranks are processes of their own; in a
-            # container that shares its cores with others, nothing is bound.
-            "bindable": self.placement is None and not shares_a_pool(),
+            # Only an engine that computes in this process ("uni": not a tensor-parallel one,
+            # nor one whose executor runs its model in workers); in a container that shares
+            # its cores with others, nothing is bound.
+            "bindable": self.worker.engine.config.executor_backend == "uni" and not shares_a_pool(),
             "team_cores": self.worker.team_cores(),
         }
 

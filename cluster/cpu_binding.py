@@ -83,7 +83,7 @@ class EnginePlacement:
     node_id: str
     num_threads: int  # its OpenMP team (torch's threads)
     cores: tuple[int, ...]  # the cores it may run on that no other live process has claimed
-    bindable: bool = True  # False: its work is not all in this process (tensor parallel)
+    bindable: bool = True  # False: its model runs in other processes too (an executor's)
 
 
 def assign_cores(

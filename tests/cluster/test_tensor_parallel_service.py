@@ -55,6 +55,14 @@ def test_every_engine_process_gets_the_wait_policy(tp_service):
     assert tp_service.coordinator.cpu_wait_policy.remote().result() == "brief"
 
 
+def test_a_tensor_parallel_engine_keeps_its_node_unbound(tp_service):
+    """cpu_binding "auto": the TP 2 decode engine computes in its rank actors too, so it is
+    not bindable, and nothing on its node is bound."""
+    placed = {p["name"]: p for p in tp_service.coordinator.cpu_placements.remote().result()}
+    assert not placed["decode-0"]["bindable"]
+    assert set(tp_service.coordinator.cpu_binding.remote().result().values()) == {None}
+
+
 def _wait_variables(_actor: object) -> tuple[str | None, str | None]:
     return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
 
