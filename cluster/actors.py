@@ -21,6 +21,7 @@ from hybridserve.workers import EngineConfig
 logger = logging.getLogger(__name__)
 
 CLEAR_TIMEOUT_S = 30.0  # for the router to apply an engine's cache events after a clear
+BIND_TIMEOUT_S = 10.0  # for the stepping thread to bind its team (it does so between steps)
 
 
 class RouteSession(FeedSession):
@@ -240,7 +241,12 @@ class EngineActor:
         if not claim(cores):
             logger.warning("engine %s: cores %s are taken; unbound", self.worker.name, cores)
             return False
-        bound = await asyncio.wrap_future(self.worker.bind_cores(cores))
+        try:  # a stopped engine's stepping thread never gets to it
+            bound = await asyncio.wait_for(
+                asyncio.wrap_future(self.worker.bind_cores(cores)), BIND_TIMEOUT_S
+            )
+        except TimeoutError:
+            bound = False
         if bound:
             logger.info("engine %s: compute bound to cores %s", self.worker.name, cores)
         else:

@@ -99,10 +99,10 @@ class EngineWorker:
         self.last_beat = time.monotonic()
         self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
         self.cpu_threads: int | None = None  # the stepping thread's OpenMP threads
-        # Calls the stepping thread makes before its next step (`on_stepping_thread`).
-        self._stepping_calls: collections.deque[
-            tuple[Callable[[], Any], concurrent.futures.Future[Any]]
-        ] = collections.deque()
+        # Core bindings for the stepping thread to make before its next step (`bind_cores`).
+        self._bindings: collections.deque[tuple[list[int], concurrent.futures.Future[bool]]] = (
+            collections.deque()
+        )
         self._last_audit = time.monotonic()
         # The engine is built on the thread that steps it. Each thread that runs a torch
         # parallel region gets an OpenMP team of its own, and once a process has more
@@ -172,19 +172,15 @@ class EngineWorker:
                 f"{silent:.1f} s (engine_stall_timeout_s={stall_timeout_s:g})"
             )
 
-    def on_stepping_thread(self, call: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run `call` on the thread that steps the engine, before its next step; its result.
-        For what belongs to that thread: its OpenMP team (`bind_cores`)."""
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._stepping_calls.append((call, done))
-        self._wake.set()
-        return done
-
     def bind_cores(self, cores: list[int]) -> concurrent.futures.Future[bool]:
         """Confine the stepping thread and its OpenMP team, the engine's compute, to `cores`
         (cluster/cpu_binding.py); the event loop, the transfer links and Ray's threads stay
-        free to run on any core. Whether it could."""
-        return self.on_stepping_thread(lambda: c_library.bind_team(cores))
+        free to run on any core. Done by the stepping thread (the team is its own) before its
+        next step; whether it could."""
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._bindings.append((cores, done))
+        self._wake.set()
+        return done
 
     def team_cores(self) -> list[int]:
         """The cores the stepping thread may run on."""
@@ -528,12 +524,9 @@ class EngineWorker:
         self._started.wait()
         while not self._stop.is_set():
             self.last_beat = time.monotonic()
-            while self._stepping_calls:
-                call, done = self._stepping_calls.popleft()
-                try:
-                    done.set_result(call())
-                except Exception as exc:
-                    done.set_exception(exc)
+            while self._bindings:
+                cores, done = self._bindings.popleft()
+                done.set_result(c_library.bind_team(cores))
             try:
                 with self.lock:
                     outputs = self.engine.step()
