@@ -3,6 +3,8 @@ transparent huge pages; weights moved there with their values."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import pytest
@@ -64,8 +66,15 @@ def test_large_pool_is_advised_for_huge_pages() -> None:
     first, last = pool.data_ptr(), pool.data_ptr() + pool.numel() - 1
     assert "hg" in vm_flags_at(first)
     assert "hg" in vm_flags_at(last)
-    small = torch.empty(16 * HUGE_PAGE_BYTES, dtype=torch.uint8)  # the same size, unadvised
-    assert "hg" not in vm_flags_at(small.data_ptr() + HUGE_PAGE_BYTES)
+    # The control is a fresh anonymous mapping of the same size: a torch.empty of it could land
+    # in a range this process advised before (glibc reuses freed mappings' addresses).
+    control = mmap.mmap(-1, 16 * HUGE_PAGE_BYTES)
+    first_byte = ctypes.c_char.from_buffer(control)
+    try:
+        assert "hg" not in vm_flags_at(ctypes.addressof(first_byte) + HUGE_PAGE_BYTES)
+    finally:
+        del first_byte
+        control.close()
 
 
 def weights_module() -> nn.Module:
