@@ -41,9 +41,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Node-local: which process holds which cores (pid -> cores), shared by this user's services
-# there (one file per user: a file another user created in a shared temporary folder may not
-# be opened for writing).
+# Node-local: which process holds which cores ({pid: {"start": its start time, "cores": [...]}}),
+# shared by this user's services there (one file per user: a file another user created in a
+# shared temporary folder may not be opened for writing). The start time tells a live holder
+# from a later process that was given the same pid.
 CLAIMS_FILE = Path(tempfile.gettempdir()) / f"hybridserve-cpu-claims-{os.getuid()}.json"
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -122,12 +123,20 @@ def assign_cores(
     return result
 
 
+@dataclass(frozen=True)
+class Claim:
+    """Cores held by the process that started at `start` (clock ticks after boot)."""
+
+    start: int | None
+    cores: list[int]
+
+
 def free_cores(claims_file: Path = CLAIMS_FILE) -> tuple[int, ...] | None:
     """The cores this process may run on that no other live process on the node holds; None
     where the claims cannot be read (then nothing is bound)."""
     try:
         with _claims(claims_file) as claims:
-            held = {core for pid, cores in claims.items() if pid != os.getpid() for core in cores}
+            held = _held_by_others(claims)
     except OSError as exc:
         logger.warning("CPU claims in %s: %s; not binding", claims_file, exc)
         return None
@@ -140,18 +149,21 @@ def claim(cores: list[int], claims_file: Path = CLAIMS_FILE) -> bool:
     cannot be written."""
     try:
         with _claims(claims_file) as claims:
-            held = {core for pid, owned in claims.items() if pid != os.getpid() for core in owned}
-            if held & set(cores):
+            if _held_by_others(claims) & set(cores):
                 return False
-            claims[os.getpid()] = sorted(cores)
+            claims[os.getpid()] = Claim(process_start_time(os.getpid()), sorted(cores))
     except OSError as exc:
         logger.warning("CPU claims in %s: %s; not binding", claims_file, exc)
         return False
     return True
 
 
+def _held_by_others(claims: Mapping[int, Claim]) -> set[int]:
+    return {core for pid, held in claims.items() if pid != os.getpid() for core in held.cores}
+
+
 @contextlib.contextmanager
-def _claims(claims_file: Path) -> Iterator[dict[int, list[int]]]:
+def _claims(claims_file: Path) -> Iterator[dict[int, Claim]]:
     """The node's claims of live processes, under an exclusive lock; written back after."""
     fd = os.open(claims_file, os.O_RDWR | os.O_CREAT, 0o600)
     with os.fdopen(fd, "r+") as file:
@@ -161,26 +173,46 @@ def _claims(claims_file: Path) -> Iterator[dict[int, list[int]]]:
             try:
                 stored = json.loads(text) if text.strip() else {}
                 claims = {
-                    int(pid): [int(core) for core in cores]
-                    for pid, cores in stored.items()
-                    if _alive(int(pid))
+                    int(pid): Claim(entry["start"], [int(core) for core in entry["cores"]])
+                    for pid, entry in stored.items()
                 }
-            except (ValueError, TypeError, AttributeError):
+            except (ValueError, TypeError, AttributeError, KeyError):
                 logger.warning("%s: unreadable CPU claims, starting afresh", claims_file)
                 claims = {}
+            claims = {pid: held for pid, held in claims.items() if _alive(pid, held.start)}
             yield claims
             file.seek(0)
             file.truncate()
-            json.dump({str(pid): cores for pid, cores in claims.items()}, file)
+            json.dump(
+                {
+                    str(pid): {"start": held.start, "cores": held.cores}
+                    for pid, held in claims.items()
+                },
+                file,
+            )
         finally:
             fcntl.flock(file, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, start: int | None) -> bool:
+    """Whether the process that made a claim still runs: its pid is taken, by a process that
+    started when it did (where /proc tells)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
-    return True
+        pass
+    now = process_start_time(pid)
+    return start is None or now is None or now == start
+
+
+def process_start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks after boot (/proc/<pid>/stat); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name, in parentheses, may hold spaces or parentheses: count after the last.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])  # the stat file's 22nd field

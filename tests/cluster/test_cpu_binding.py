@@ -20,6 +20,7 @@ from hybridserve.cluster.cpu_binding import (
     claim,
     free_cores,
     node_cores,
+    process_start_time,
     shares_a_pool,
 )
 
@@ -155,6 +156,10 @@ def test_binding_a_team_confines_the_stepping_thread_and_its_openmp_threads_only
     assert result["bound"] >= 2  # the calling thread and at least one team member
 
 
+def holding(pid: int, cores: list[int], start: int | None) -> str:
+    return json.dumps({str(pid): {"start": start, "cores": cores}})
+
+
 def test_a_live_process_s_claim_keeps_its_cores_and_a_dead_one_s_does_not(tmp_path):
     claims = tmp_path / "claims.json"
     core = min(os.sched_getaffinity(0))
@@ -162,21 +167,33 @@ def test_a_live_process_s_claim_keeps_its_cores_and_a_dead_one_s_does_not(tmp_pa
     assert core in free_cores(claims)  # its own claim does not count against it
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        claims.write_text(json.dumps({str(holder.pid): [core]}))
+        start = process_start_time(holder.pid)
+        assert start is not None
+        claims.write_text(holding(holder.pid, [core], start))
         assert core not in free_cores(claims)
         assert not claim([core], claims)
-        assert json.loads(claims.read_text()) == {str(holder.pid): [core]}  # nothing claimed
+        assert json.loads(claims.read_text()) == json.loads(holding(holder.pid, [core], start))
+        # The same pid with another start time is a later process that was given the pid.
+        claims.write_text(holding(holder.pid, [core], start - 1))
+        assert core in free_cores(claims)
+        assert json.loads(claims.read_text()) == {}
+        claims.write_text(holding(holder.pid, [core], start))
     finally:
         holder.kill()
         holder.wait()
     assert core in free_cores(claims)  # its process is gone
     assert claim([core], claims)
-    assert json.loads(claims.read_text()) == {str(os.getpid()): [core]}
+    mine = json.loads(holding(os.getpid(), [core], process_start_time(os.getpid())))
+    assert json.loads(claims.read_text()) == mine
     assert claim([], claims)  # given back
-    assert json.loads(claims.read_text()) == {str(os.getpid()): []}
+    assert json.loads(claims.read_text())[str(os.getpid())]["cores"] == []
 
 
-@pytest.mark.parametrize("text", ["{not json", '["a list"]', '{"12": "cores"}'])
+@pytest.mark.parametrize(
+    "text",
+    # pid 1 always runs: a claim of it that were read would hold core 0
+    ["{not json", '["a list"]', '{"1": "cores"}', '{"1": [0]}', '{"1": {"cores": [0]}}'],
+)
 def test_unreadable_claims_start_afresh(tmp_path, text):
     claims = tmp_path / "claims.json"
     claims.write_text(text)
