@@ -117,10 +117,15 @@ class Scheduler:
             if num_new and self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
         # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
-        #    is short). Each first looks up its reusable prefix and starts after it.
+        #    is short). Each first looks up its reusable prefix and starts after it, or waits
+        #    while a running prompt is about to commit a deeper one on its path.
+        held: list[Request] = []
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             reuse = self.cache.find_reuse(request)
+            if self._waits_for_prefix(request, reuse.num_tokens):
+                held.append(self.waiting.popleft())
+                continue
             budget = self.max_num_batched_tokens - out.num_tokens
             num_new = self.chunk_size(request, budget, reuse.num_tokens)
             if num_new == 0 or self.cache.allocate(request, num_new, reuse) is None:
@@ -129,8 +134,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.add(request, num_new)
+        self.waiting.extendleft(reversed(held))
         out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
         return out
+
+    def _waits_for_prefix(self, request: Request, num_reusable: int) -> bool:
+        """Whether `request` waits for a prompt in flight that shares at least one more block
+        with it to commit its snapshot there: computing those tokens again, in the same steps,
+        would cost as much as the prompt ahead spends on them. It waits at most until that
+        prompt passes the point, which it does within a few steps of its own (a preempted
+        one no longer counts as in flight), so nothing waits for ever."""
+        deepest = self.cache.reuse_in_flight(request, self.running)
+        return deepest >= num_reusable + self.cache.block_size
 
     def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
         request = item.request

@@ -107,6 +107,25 @@ def test_shuffled_multiturn_with_reuse_equals_no_reuse_at_tp2(transcripts):
         replay(llm, turns, config_name)
 
 
+def test_first_turns_sent_together_share_their_system_prompt_and_equal_no_reuse(transcripts):
+    """Every conversation's first turn at once: the first of each system prompt computes it,
+    the others wait for its snapshot there (docs/snapshot-reuse.md section 6.1) rather than
+    compute the same tokens beside it, and every answer is still the reference's."""
+    _, model, turns = transcripts
+    firsts = [turn for turn in turns if turn.index == 0]
+    interval = CONFIGS["interval-only"]["mamba_snapshot_interval"]
+    with LLM(model, **COMMON | CONFIGS["interval-only"]) as llm:
+        outputs = llm.generate([turn.prompt for turn in firsts], GREEDY, use_tqdm=False)
+        leaders: set[tuple[int, ...]] = set()
+        for turn, out in zip(firsts, outputs, strict=True):
+            assert out.token_ids == turn.answer, turn.conversation
+            system = tuple(turn.base)
+            if system in leaders:
+                assert out.num_cached_tokens >= len(system) // interval * interval > 0
+            leaders.add(system)
+        assert_pools_at_baseline(llm.engine)
+
+
 def replay(llm: LLM, turns: list[Turn], config_name: str) -> None:
     """Every turn in shuffled order, its base warmed right before it; each answer must be the
     reference's, with the reuse the configuration promises."""

@@ -259,6 +259,50 @@ def test_t13_the_request_field():
     assert duplicate.expect_snapshot_points is not request.expect_snapshot_points
 
 
+# ---- waiting for a prompt in flight (docs/snapshot-reuse.md section 6.1) -------------------
+
+
+def test_a_request_sharing_a_prompt_in_flight_waits_for_its_snapshot_and_reuses_it():
+    """A (300 tokens, points [128, 256, 300]) and B (its first 280 tokens, then its own 40)
+    arrive together. B waits while A computes to 128 and to 256, then starts from 256: it
+    computes 64 tokens instead of 320, and C, behind it and unrelated, is not held up."""
+    cache = make_prefix_cache(32, 64, interval=128, live_slots=3)
+    scheduler = make_scheduler(cache, budget=1000)
+    a = make_request("a", prompt=tokens(300))
+    b = make_request("b", prompt=[*tokens(280), *tokens(40, 10_000)])
+    c = make_request("c", prompt=tokens(50, 20_000))
+    for request in (a, b, c):
+        scheduler.add(request)
+    assert step(scheduler) == [("a", 128), ("c", 50)]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+    assert step(scheduler) == [("a", 128)]  # c's prompt is done (nothing is sampled here)
+    assert step(scheduler) == [("a", 44), ("b", 64)]  # b from 256, to its own end
+    assert b.num_cached_tokens == 256
+
+
+def test_a_request_does_not_wait_for_less_than_a_block_or_for_a_preempted_prompt():
+    cache = make_prefix_cache(32, 64, offsets_from_start=(20,), live_slots=2)
+    scheduler = make_scheduler(cache, budget=1000)
+    a = make_request("a", prompt=tokens(200))  # points [20, 200]
+    near = make_request("near", prompt=[*tokens(100), *tokens(10, 10_000)])
+    scheduler.add(a)
+    scheduler.add(near)
+    assert step(scheduler) == [("a", 20), ("near", 20)]  # 20 tokens to gain: not worth a wait
+    # A prompt in flight that was preempted no longer holds anyone back.
+    cache = make_prefix_cache(32, 64, interval=64)
+    scheduler = make_scheduler(cache, budget=64)
+    a = make_request("a", prompt=tokens(200))
+    b = make_request("b", prompt=[*tokens(150), *tokens(10, 10_000)])
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler) == [("a", 64)]  # b waits for 128
+    scheduler._preempt(a)
+    assert [r.request_id for r in scheduler.waiting] == ["a", "b"]
+    scheduler.waiting.remove(a)
+    assert step(scheduler) == [("b", 64)]  # from 64: a's committed snapshot, nothing ahead
+    assert b.num_cached_tokens == 64
+
+
 # ---- invariants ----------------------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """CacheCoordinator: the scheduler's one door to the caches, over one manager per cache kind.
 
-It answers four questions, each in one method:
+It answers these questions, each in one method:
 - where must this request's chunks end?            `snapshot_points`
 - how much of its prompt can it reuse?             `find_reuse`
+- how much more once prompts in flight commit?     `reuse_in_flight`
 - room for its next chunk (and the reuse itself)?  `allocate`
 - what becomes reusable after this step?           `commit`
 
@@ -25,6 +26,7 @@ into the next step plan. See docs/snapshot-reuse.md for the rules and worked num
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from hybridserve.workers.cache.attention import AttentionBlockManager
@@ -192,6 +194,34 @@ class CacheCoordinator:
             return Reuse(0, (), None, attention_len, len(lookup))
         nodes = (*path[: hit.node.ordinal], hit.node)
         return Reuse(hit.position, nodes, hit.snapshot, attention_len, len(lookup))
+
+    def reuse_in_flight(self, request: Request, in_flight: Iterable[Request]) -> int:
+        """The deepest snapshot point that a request of `in_flight` still has ahead in its
+        prompt and `request` could reuse once it is committed (the two prompts agree on every
+        token before it); 0 if none. Side-effect free.
+
+            in flight:  | computed ....... | to compute .... P1 ....... P2 ...... |
+            request:    | the same tokens ......................... | its own ... |
+                                                                 ^ deepest shared point: P1
+        """
+        if not self.prefix.enabled or request.scores_prompt:
+            return 0
+        lookup_len = request.num_tokens - 1
+        aligned_only = not self.prefix.partial_reuse
+        deepest = 0
+        for other in in_flight:
+            if other.cache_salt != request.cache_salt or other.request_id not in self._requests:
+                continue
+            floor = max(deepest, other.num_computed_tokens)
+            for point in reversed(other.expect_snapshot_points or ()):
+                if point <= floor:
+                    break
+                if point > lookup_len or (aligned_only and point % self.block_size):
+                    continue
+                if other.token_ids[:point] == request.token_ids[:point]:
+                    deepest = point
+                    break
+        return deepest
 
     # ---- 3. allocation --------------------------------------------------------------------
 

@@ -331,6 +331,58 @@ def test_find_reuse_is_side_effect_free():
     assert b.num_computed_tokens == b.num_cached_tokens == 0
 
 
+# ---- reuse from a prompt still in flight (docs/snapshot-reuse.md section 6.1) -------------
+
+
+def in_flight_a(cache, computed: int):
+    """Request A admitted and computed to `computed`, its points [128, 256, 300] ahead."""
+    a = make_request("a", prompt=A)
+    admit(cache, a)
+    advance(cache, a, *[p for p in (128, 256) if p <= computed])
+    return a
+
+
+@pytest.mark.parametrize(
+    ("computed", "shared", "expected"),
+    [
+        (0, 280, 256),  # the deepest point before the fork
+        (0, 200, 128),
+        (0, 100, 0),  # forks before the first point
+        (128, 200, 0),  # 128 is committed already: find_reuse has it
+        (128, 280, 256),
+        (256, 280, 0),
+    ],
+)
+def test_reuse_in_flight_is_the_deepest_point_ahead_before_the_fork(computed, shared, expected):
+    cache = make_prefix_cache(32, 64, interval=128)
+    a = in_flight_a(cache, computed)
+    b = make_request("b", prompt=[*A[:shared], *tokens(100, OTHER)])
+    assert cache.reuse_in_flight(b, [a]) == expected
+    # Once A is done, B reuses the deepest of its points before the fork.
+    advance(cache, a, *[p for p in (128, 256, 300) if p > computed])
+    assert cache.find_reuse(b).num_tokens == max(p for p in (0, 128, 256) if p <= shared)
+    cache.free(a)
+    assert_cache_at_baseline(cache)
+
+
+def test_reuse_in_flight_stops_at_the_lookup_and_respects_salts_and_partial_reuse():
+    cache = make_prefix_cache(32, 64, interval=128, partial=False)
+    a = in_flight_a(cache, 0)
+    repeat = make_request("repeat", prompt=A)  # lookup 299: the prompt end 300 is beyond it
+    assert cache.reuse_in_flight(repeat, [a]) == 256
+    a.expect_snapshot_points = [100, 150]  # unaligned points, partial reuse off
+    assert cache.reuse_in_flight(repeat, [a]) == 0
+    a.expect_snapshot_points = [128, 256, 300]
+    other_tenant = make_request("other", prompt=A)
+    other_tenant.cache_salt = "tenant-b"
+    assert cache.reuse_in_flight(other_tenant, [a]) == 0
+    scored = make_request("scored", prompt=A, prompt_logprobs=0)
+    assert cache.reuse_in_flight(scored, [a]) == 0  # it computes its whole prompt anyway
+    assert cache.reuse_in_flight(repeat, []) == 0
+    cache.free(a)
+    assert_cache_at_baseline(cache)
+
+
 # ---- invariants (labels of docs/snapshot-reuse.md) ----------------------------------------
 
 
