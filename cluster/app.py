@@ -3,7 +3,7 @@
     import_path: hybridserve.cluster.app:build_app      args: a ServiceConfig dict
 
 Per request: authenticate, parse and validate (OpenAI error bodies), tokenize once (chat:
-render the template and find the stable boundary), derive the cache salt from the tenant,
+render the template and find the stable boundaries), derive the cache salt from the tenant,
 ask the router where to run, then stream TokenEvents from the decode engine, detokenize
 incrementally, apply stop strings, and answer as JSON or SSE. A client that goes away
 aborts the request on every engine that holds it.
@@ -190,7 +190,7 @@ class OpenAIIngress:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        return await self._serve(body, prompt_ids, None, tenant, chat=False)
+        return await self._serve(body, prompt_ids, (), tenant, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -202,7 +202,7 @@ class OpenAIIngress:
             chat = self.tokenizer.render_chat(body.template_messages())
         except ValueError as exc:
             raise OpenAIError(400, f"the chat template failed: {exc}", param="messages") from None
-        return await self._serve(body, chat.token_ids, chat.stable_len, tenant, chat=True)
+        return await self._serve(body, chat.token_ids, chat.stable_lens, tenant, chat=True)
 
     # ---- one request ----------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class OpenAIIngress:
         self,
         body: Any,
         prompt_ids: list[int],
-        stable_len: int | None,
+        stable_lens: tuple[int, ...],
         tenant: str | None,
         *,
         chat: bool,
@@ -228,7 +228,7 @@ class OpenAIIngress:
             prompt_token_ids=prompt_ids,
             sampling=params.model_dump(mode="json"),
             cache_salt=derive_cache_salt(tenant, body.cache_salt),
-            stable_prompt_len=stable_len,
+            stable_prompt_lens=list(stable_lens),
         )
         reply = Reply(self.tokenizer, body, request, meta)
         try:

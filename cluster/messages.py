@@ -20,7 +20,9 @@ from hybridserve.workers.sampling_params import SamplingParams
 #    opened with a FeedTicket from the engine actor and a FeedHello.
 # 6: the replica's calls to the engine travel on that connection too (FeedCall), answered in
 #    the TokenBatches (FeedReply); a prefill's first token is an event there like any other.
-MESSAGES_VERSION = 6
+# 7: GenerateRequest.stable_prompt_lens (a chat prompt's system-prompt end and the conversation's
+#    end) replaces stable_prompt_len.
+MESSAGES_VERSION = 7
 
 M = TypeVar("M", bound="_Message")
 
@@ -71,7 +73,7 @@ class GenerateRequest(_Message):
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams fields
     cache_salt: str | None = None
-    stable_prompt_len: int | None = None
+    stable_prompt_lens: list[int] = field(default_factory=list)  # ChatPrompt.stable_lens
     kind: ClassVar[str] = "generate"
 
     @property

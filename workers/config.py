@@ -67,7 +67,7 @@ class EngineConfig(BaseModel):
         512, ge=0, description="snapshot the Mamba state every N prompt tokens (0 = off)"
     )
     mamba_save_last_snapshot: bool = Field(
-        True, description="snapshot at the prompt end (and a chat prompt's stable boundary)"
+        True, description="snapshot at the prompt end (and a chat prompt's stable boundaries)"
     )
     mamba_snapshot_turn_end: bool = Field(
         False,

@@ -67,8 +67,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the assistant's next message for each conversation (list of messages).
 
-        Each prompt carries its stable boundary (the conversation without the generation
-        prompt), so the turn-end snapshot lands where the next turn will diverge."""
+        Each prompt carries its stable boundaries (its system messages alone, the
+        conversation without the generation prompt), so snapshots land where other
+        conversations with the same system prompt, and the next turn, will diverge."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this checkpoint has no tokenizer.json")
         batch = (
@@ -82,7 +83,10 @@ class LLM:
             chat = self.tokenizer.render_chat(messages)  # type: ignore[arg-type]
             request_ids.append(
                 self.engine.add_request(
-                    chat.token_ids, params, cache_salt=cache_salt, stable_prompt_len=chat.stable_len
+                    chat.token_ids,
+                    params,
+                    cache_salt=cache_salt,
+                    stable_prompt_lens=chat.stable_lens,
                 )
             )
         finished = self._run(request_ids, use_tqdm, "chatting")

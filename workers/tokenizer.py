@@ -15,9 +15,15 @@ from tokenizers import Tokenizer as BackendTokenizer
 @dataclass(frozen=True)
 class ChatPrompt:
     token_ids: list[int]
-    # Tokens of the conversation rendered without the generation prompt, when those are a true
-    # prefix of `token_ids`: where the next turn's prompt will diverge from this one.
-    stable_len: int | None
+    # Where later prompts will diverge from this one, each a true prefix of `token_ids`, in
+    # increasing order: the leading system message(s) rendered alone (where other
+    # conversations with the same system prompt diverge), and the conversation rendered
+    # without the generation prompt (where this conversation's next turn diverges).
+    stable_lens: tuple[int, ...] = ()
+
+
+# Roles of the messages that open a conversation and that many conversations share.
+SYSTEM_ROLES = frozenset({"system", "developer"})
 
 
 class ChatTemplateError(ValueError):
@@ -130,18 +136,25 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> ChatPrompt:
-        """Token ids of a chat prompt (with the generation prompt) and its stable prefix length.
+        """Token ids of a chat prompt (with the generation prompt) and its stable prefix lengths.
 
-        The stable part is best effort (docs/snapshot-reuse.md section 3): a template that rejects
-        add_generation_prompt=False, or renders something that is not a prefix, gives None.
+        The stable parts are best effort (docs/snapshot-reuse.md section 3): a part the
+        template rejects, or renders as something that is not a prefix, is left out.
         """
         token_ids = self.encode(
             self.apply_chat_template(messages, **extra), add_special_tokens=False
         )
-        try:
-            stable_text = self.apply_chat_template(messages, add_generation_prompt=False, **extra)
-        except ChatTemplateError:
-            return ChatPrompt(token_ids, None)
-        stable = self.encode(stable_text, add_special_tokens=False)
-        is_prefix = 0 < len(stable) < len(token_ids) and token_ids[: len(stable)] == stable
-        return ChatPrompt(token_ids, len(stable) if is_prefix else None)
+        num_system = next(
+            (i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), len(messages)
+        )
+        parts = [messages[:num_system]] if 0 < num_system < len(messages) else []
+        lens = set()
+        for part in [*parts, messages]:
+            try:
+                text = self.apply_chat_template(part, add_generation_prompt=False, **extra)
+            except ChatTemplateError:
+                continue
+            stable = self.encode(text, add_special_tokens=False)
+            if 0 < len(stable) < len(token_ids) and token_ids[: len(stable)] == stable:
+                lens.add(len(stable))
+        return ChatPrompt(token_ids, tuple(sorted(lens)))

@@ -1,4 +1,5 @@
-"""Chat prompts carry their stable boundary; the next turn resumes from the previous one."""
+"""Chat prompts carry their stable boundaries: the next turn resumes from the previous one, and
+another conversation with the same system prompt from its end."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.models.tiny import tiny_tokenizer_backend
 from hybridserve.workers.tokenizer import Tokenizer
+from tests.helpers import assert_pools_at_baseline
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 CONVERSATION = [
@@ -15,18 +17,21 @@ CONVERSATION = [
 ]
 
 
-def test_render_chat_marks_the_conversation_without_the_generation_prompt():
+def test_render_chat_marks_the_system_prompt_and_the_conversation_without_the_generation_prompt():
     tokenizer = LLM("tiny", enable_prefix_caching=False).tokenizer
     assert tokenizer is not None
     chat = tokenizer.render_chat(CONVERSATION)
-    stable = tokenizer.encode(
-        tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False),
-        add_special_tokens=False,
+    system_len, stable_len = chat.stable_lens
+    text = tokenizer.decode(chat.token_ids, skip_special_tokens=False)
+    assert tokenizer.decode(chat.token_ids[:system_len], skip_special_tokens=False) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
     )
-    assert chat.stable_len == len(stable) and chat.token_ids[: len(stable)] == stable
-    assert tokenizer.decode(chat.token_ids[len(stable) :], skip_special_tokens=False) == (
-        "<|im_start|>assistant\n"
-    )
+    assert text[
+        len(tokenizer.decode(chat.token_ids[:stable_len], skip_special_tokens=False)) :
+    ] == ("<|im_start|>assistant\n")
+    # No system message, or nothing after it: only the conversation's own boundary.
+    assert len(tokenizer.render_chat(CONVERSATION[1:]).stable_lens) == 1
+    assert len(tokenizer.render_chat(CONVERSATION[:1]).stable_lens) == 1
 
 
 def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
@@ -37,7 +42,7 @@ def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
             "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         ),
     )
-    assert reordering.render_chat(CONVERSATION).stable_len is None
+    assert reordering.render_chat(CONVERSATION).stable_lens == ()
     refusing = Tokenizer(
         tiny_tokenizer_backend(),
         chat_template=(
@@ -46,7 +51,7 @@ def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
         ),
     )
     chat = refusing.render_chat(CONVERSATION)
-    assert chat.stable_len is None and chat.token_ids
+    assert chat.stable_lens == () and chat.token_ids
 
 
 @pytest.mark.parametrize("turn_end", [False, True], ids=["prompt-end", "turn-end"])
@@ -67,14 +72,27 @@ def test_second_turn_resumes_at_the_first_turn_end(turn_end):
     assert second.num_cached_tokens == resume
     plain = LLM("tiny", enable_prefix_caching=False)
     assert second.token_ids == plain.chat(follow_up, GREEDY)[0].token_ids
-    # The stable boundary (without "<|im_start|>assistant\n") was snapshotted too.
-    stable = llm.tokenizer.render_chat(follow_up).stable_len  # type: ignore[union-attr]
-    assert stable is not None
+    # The stable boundaries (the system prompt's end, the conversation without
+    # "<|im_start|>assistant\n") were snapshotted too.
+    stable = llm.tokenizer.render_chat(follow_up).stable_lens  # type: ignore[union-attr]
+    assert len(stable) == 2
     points = llm.engine.cache.snapshot_points(
         type(
             "R",
             (),
-            {"num_prompt_tokens": len(second.prompt_token_ids), "stable_prompt_len": stable},
+            {"num_prompt_tokens": len(second.prompt_token_ids), "stable_prompt_lens": stable},
         )()
     )
-    assert stable in points and len(second.prompt_token_ids) in points
+    assert set(stable) <= set(points) and len(second.prompt_token_ids) in points
+
+
+def test_another_conversation_resumes_at_the_end_of_the_shared_system_prompt():
+    llm = LLM("tiny", mamba_snapshot_interval=0)
+    llm.chat(CONVERSATION, GREEDY)
+    other = [CONVERSATION[0], {"role": "user", "content": "something else entirely"}]
+    (second,) = llm.chat(other, GREEDY)
+    system_len = llm.tokenizer.render_chat(other).stable_lens[0]  # type: ignore[union-attr]
+    assert second.num_cached_tokens == system_len > 0
+    plain = LLM("tiny", enable_prefix_caching=False)
+    assert second.token_ids == plain.chat(other, GREEDY)[0].token_ids
+    assert_pools_at_baseline(llm.engine)

@@ -167,9 +167,7 @@ class CacheCoordinator:
             points.update(range(config.snapshot_interval, length + 1, config.snapshot_interval))
         if config.save_last_snapshot:
             points.add(length)
-            stable = request.stable_prompt_len
-            if stable is not None and 0 < stable < length:
-                points.add(stable)
+            points.update(p for p in request.stable_prompt_lens if 0 < p < length)
         points.update(p for p in config.offsets_from_start if 0 < p <= length)
         points.update(length - p for p in config.offsets_from_end if length - p > 0)
         return sorted(points)
