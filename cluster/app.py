@@ -53,6 +53,7 @@ from hybridserve.cluster.token_feed import EngineFeed
 from hybridserve.workers.models.loader import load_tokenizer
 from hybridserve.workers.sampling_params import SamplingParams
 from hybridserve.workers.structured_output import GrammarCompiler
+from hybridserve.workers.tokenizer import ChatPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class OpenAIIngress:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        return await self._serve(body, prompt_ids, (), tenant, chat=False)
+        return await self._serve(body, ChatPrompt(prompt_ids), tenant, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -202,15 +203,14 @@ class OpenAIIngress:
             chat = self.tokenizer.render_chat(body.template_messages())
         except ValueError as exc:
             raise OpenAIError(400, f"the chat template failed: {exc}", param="messages") from None
-        return await self._serve(body, chat.token_ids, chat.stable_lens, tenant, chat=True)
+        return await self._serve(body, chat, tenant, chat=True)
 
     # ---- one request ----------------------------------------------------------------------
 
     async def _serve(
         self,
         body: Any,
-        prompt_ids: list[int],
-        stable_lens: tuple[int, ...],
+        prompt: ChatPrompt,
         tenant: str | None,
         *,
         chat: bool,
@@ -218,17 +218,18 @@ class OpenAIIngress:
         topology = await self._topo()
         model = topology["model"]
         params = body.to_sampling_params(
-            model["vocab_size"], model["max_model_len"], len(prompt_ids)
+            model["vocab_size"], model["max_model_len"], len(prompt.token_ids)
         )
         self._check_structured_output(params, body)
         # One id: the client's response id is the engines' request id (logs, aborts).
         meta = ResponseMeta.new(model["model_id"], chat=chat)
         request = GenerateRequest(
             request_id=meta.id,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=prompt.token_ids,
             sampling=params.model_dump(mode="json"),
             cache_salt=derive_cache_salt(tenant, body.cache_salt),
-            stable_prompt_lens=list(stable_lens),
+            stable_prompt_len=prompt.stable_len,
+            system_prompt_len=prompt.system_len,
         )
         reply = Reply(self.tokenizer, body, request, meta)
         try:

@@ -20,8 +20,7 @@ from hybridserve.workers.sampling_params import SamplingParams
 #    opened with a FeedTicket from the engine actor and a FeedHello.
 # 6: the replica's calls to the engine travel on that connection too (FeedCall), answered in
 #    the TokenBatches (FeedReply); a prefill's first token is an event there like any other.
-# 7: GenerateRequest.stable_prompt_lens (a chat prompt's system-prompt end and the conversation's
-#    end) replaces stable_prompt_len.
+# 7: GenerateRequest.system_prompt_len: where a chat prompt's system messages end.
 MESSAGES_VERSION = 7
 
 M = TypeVar("M", bound="_Message")
@@ -73,7 +72,8 @@ class GenerateRequest(_Message):
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams fields
     cache_salt: str | None = None
-    stable_prompt_lens: list[int] = field(default_factory=list)  # ChatPrompt.stable_lens
+    stable_prompt_len: int | None = None  # ChatPrompt.stable_len
+    system_prompt_len: int | None = None  # ChatPrompt.system_len
     kind: ClassVar[str] = "generate"
 
     @property

@@ -287,7 +287,8 @@ class EngineWorker:
                 request_id=request.request_id,
                 reason=reason,
                 cache_salt=request.cache_salt,
-                stable_prompt_lens=request.stable_prompt_lens,
+                stable_prompt_len=request.stable_prompt_len,
+                system_prompt_len=request.system_prompt_len,
             )
             if held is None:  # recomputed from the prompt: deliver from the caller's position
                 stream.num_sent[0] = delivered
@@ -488,7 +489,8 @@ class EngineWorker:
                 request.params,
                 request_id=request.request_id,
                 cache_salt=request.cache_salt,
-                stable_prompt_lens=request.stable_prompt_lens,
+                stable_prompt_len=request.stable_prompt_len,
+                system_prompt_len=request.system_prompt_len,
             )
         self._wake.set()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections.abc import Sequence
 
 from hybridserve.transceiver.protocol import ReceivePlan, TransferRequest
 from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
@@ -171,7 +170,8 @@ class Engine:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        stable_prompt_lens: Sequence[int] = (),
+        stable_prompt_len: int | None = None,
+        system_prompt_len: int | None = None,
     ) -> str:
         """Queue a request; returns its id. Everything is validated before anything is
         allocated, so a bad request raises ValueError and leaves the engine untouched.
@@ -204,7 +204,8 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             sample_seed=self._seed(params, request_id, 0),
             cache_salt=cache_salt,
-            stable_prompt_lens=tuple(stable_prompt_lens),
+            stable_prompt_len=stable_prompt_len,
+            system_prompt_len=system_prompt_len,
             choice_seeds=tuple(
                 self._seed(params, request_id, index) for index in range(1, params.n)
             ),
@@ -490,7 +491,8 @@ class Engine:
         request_id: str,
         reason: str,
         cache_salt: str | None = None,
-        stable_prompt_lens: Sequence[int] = (),
+        stable_prompt_len: int | None = None,
+        system_prompt_len: int | None = None,
     ) -> RequestOutput | None:
         """Decode role: the transfer of `request_id` failed before this engine admitted it
         (the prefill side saw the failure, or the prefill engine died). The same policy as a
@@ -507,7 +509,8 @@ class Engine:
             params,
             request_id=request_id,
             cache_salt=cache_salt,
-            stable_prompt_lens=stable_prompt_lens,
+            stable_prompt_len=stable_prompt_len,
+            system_prompt_len=system_prompt_len,
         )
         request = self._requests[request_id]
         self.scheduler.waiting.remove(request)  # settle decides where it goes

@@ -86,7 +86,8 @@ class LLM:
                     chat.token_ids,
                     params,
                     cache_salt=cache_salt,
-                    stable_prompt_lens=chat.stable_lens,
+                    stable_prompt_len=chat.stable_len,
+                    system_prompt_len=chat.system_len,
                 )
             )
         finished = self._run(request_ids, use_tqdm, "chatting")

@@ -48,7 +48,8 @@ class Request:
     cache_salt: str | None = None
     # For chat requests: tokens of the conversation rendered without the generation prompt,
     # when those are a true prefix of the prompt (where the next turn will diverge).
-    stable_prompt_lens: tuple[int, ...] = ()
+    stable_prompt_len: int | None = None
+    system_prompt_len: int | None = None  # where its system prompt ends (ChatPrompt.system_len)
     # Set by the cache manager before every scheduling pass: chunks must end at these
     # absolute positions. None = not set (an error under FORCE_CHUNK), [] = none wanted.
     expect_snapshot_points: list[int] | None = None
@@ -115,7 +116,8 @@ class Request:
             stop_token_ids=self.stop_token_ids,
             sample_seed=self.choice_seeds[index - 1],
             cache_salt=self.cache_salt,
-            stable_prompt_lens=self.stable_prompt_lens,
+            stable_prompt_len=self.stable_prompt_len,
+            system_prompt_len=self.system_prompt_len,
             index=index,
             parent_id=self.request_id,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 @dataclass(frozen=True)
 class ChatPrompt:
     token_ids: list[int]
-    # Where later prompts will diverge from this one, each a true prefix of `token_ids`, in
-    # increasing order: the leading system message(s) rendered alone (where other
-    # conversations with the same system prompt diverge), and the conversation rendered
-    # without the generation prompt (where this conversation's next turn diverges).
-    stable_lens: tuple[int, ...] = ()
+    # Tokens of the conversation rendered without the generation prompt, when those are a true
+    # prefix of `token_ids`: where the next turn's prompt will diverge from this one.
+    stable_len: int | None = None
+    # Tokens of the leading system (or developer) messages rendered alone, when a true prefix:
+    # where other conversations with the same system prompt diverge from this one.
+    system_len: int | None = None
 
 
 # Roles of the messages that open a conversation and that many conversations share.
@@ -136,25 +138,33 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> ChatPrompt:
-        """Token ids of a chat prompt (with the generation prompt) and its stable prefix lengths.
+        """Token ids of a chat prompt (with the generation prompt) and its stable prefixes: the
+        conversation without the generation prompt, and its leading system messages alone.
 
-        The stable parts are best effort (docs/snapshot-reuse.md section 3): a part the
-        template rejects, or renders as something that is not a prefix, is left out.
+        Both are best effort (docs/snapshot-reuse.md section 3): a part the template rejects,
+        renders as something that is not a prefix of the prompt's text, or that ends inside
+        one of its tokens, is None. The prompt is encoded once; a part's length is the number
+        of its tokens that end within the part's text.
         """
-        token_ids = self.encode(
-            self.apply_chat_template(messages, **extra), add_special_tokens=False
-        )
+        text = self.apply_chat_template(messages, **extra)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        token_ids, ends = encoding.ids, [end for _, end in encoding.offsets]
+
+        def prefix_len(part: list[dict[str, Any]]) -> int | None:
+            try:
+                part_text = self.apply_chat_template(part, add_generation_prompt=False, **extra)
+            except ChatTemplateError:
+                return None
+            num_tokens = bisect.bisect_right(ends, len(part_text))
+            is_prefix = (
+                text.startswith(part_text)
+                and 0 < num_tokens < len(token_ids)
+                and ends[num_tokens - 1] == len(part_text)
+            )
+            return num_tokens if is_prefix else None
+
         num_system = next(
             (i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), len(messages)
         )
-        parts = [messages[:num_system]] if 0 < num_system < len(messages) else []
-        lens = set()
-        for part in [*parts, messages]:
-            try:
-                text = self.apply_chat_template(part, add_generation_prompt=False, **extra)
-            except ChatTemplateError:
-                continue
-            stable = self.encode(text, add_special_tokens=False)
-            if 0 < len(stable) < len(token_ids) and token_ids[: len(stable)] == stable:
-                lens.add(len(stable))
-        return ChatPrompt(token_ids, tuple(sorted(lens)))
+        system_len = prefix_len(messages[:num_system]) if 0 < num_system < len(messages) else None
+        return ChatPrompt(token_ids, prefix_len(messages), system_len)

@@ -23,7 +23,7 @@ EVENT = TokenEvent(
     "r1", 2, [7, 8], num_cached_tokens=16, index=1, logprobs=[[7, -0.5, [[7, -0.5]]]] * 2
 )
 MESSAGES = [
-    GenerateRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, "salt", [1, 2]),
+    GenerateRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, "salt", 2, 1),
     EVENT,
     TokenEvent("r1", 4, [], finish_reason="length", last=True),
     PrefillResult("r1", "handed_off", blocks_sent=3, bytes_sent=4096),

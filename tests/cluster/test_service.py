@@ -161,9 +161,9 @@ def test_chat_second_turn_reuses_at_least_the_first_turn(service):
         {"role": "user", "content": "And attention?"},
     ]
     second = chat(model="tiny", messages=follow_up, max_tokens=8, temperature=0)
-    stable_lens = LLM("tiny").tokenizer.render_chat(first_messages).stable_lens
-    assert len(stable_lens) == 2
-    assert second.usage.prompt_tokens_details.cached_tokens >= stable_lens[-1]
+    stable_len = LLM("tiny").tokenizer.render_chat(first_messages).stable_len
+    assert stable_len is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= stable_len
     assert_at_baseline(service)
 
 

@@ -21,7 +21,8 @@ def test_render_chat_marks_the_system_prompt_and_the_conversation_without_the_ge
     tokenizer = LLM("tiny", enable_prefix_caching=False).tokenizer
     assert tokenizer is not None
     chat = tokenizer.render_chat(CONVERSATION)
-    system_len, stable_len = chat.stable_lens
+    system_len, stable_len = chat.system_len, chat.stable_len
+    assert system_len is not None and stable_len is not None
     text = tokenizer.decode(chat.token_ids, skip_special_tokens=False)
     assert tokenizer.decode(chat.token_ids[:system_len], skip_special_tokens=False) == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
@@ -30,8 +31,9 @@ def test_render_chat_marks_the_system_prompt_and_the_conversation_without_the_ge
         len(tokenizer.decode(chat.token_ids[:stable_len], skip_special_tokens=False)) :
     ] == ("<|im_start|>assistant\n")
     # No system message, or nothing after it: only the conversation's own boundary.
-    assert len(tokenizer.render_chat(CONVERSATION[1:]).stable_lens) == 1
-    assert len(tokenizer.render_chat(CONVERSATION[:1]).stable_lens) == 1
+    for messages in (CONVERSATION[1:], CONVERSATION[:1]):
+        chat = tokenizer.render_chat(messages)
+        assert chat.system_len is None and chat.stable_len is not None
 
 
 def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
@@ -42,7 +44,8 @@ def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
             "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         ),
     )
-    assert reordering.render_chat(CONVERSATION).stable_lens == ()
+    chat = reordering.render_chat(CONVERSATION)
+    assert chat.stable_len is None and chat.system_len is None
     refusing = Tokenizer(
         tiny_tokenizer_backend(),
         chat_template=(
@@ -51,7 +54,7 @@ def test_no_stable_boundary_when_it_is_not_a_prefix_or_the_template_refuses():
         ),
     )
     chat = refusing.render_chat(CONVERSATION)
-    assert chat.stable_lens == () and chat.token_ids
+    assert chat.stable_len is None and chat.system_len is None and chat.token_ids
 
 
 @pytest.mark.parametrize("turn_end", [False, True], ids=["prompt-end", "turn-end"])
@@ -74,16 +77,15 @@ def test_second_turn_resumes_at_the_first_turn_end(turn_end):
     assert second.token_ids == plain.chat(follow_up, GREEDY)[0].token_ids
     # The stable boundaries (the system prompt's end, the conversation without
     # "<|im_start|>assistant\n") were snapshotted too.
-    stable = llm.tokenizer.render_chat(follow_up).stable_lens  # type: ignore[union-attr]
-    assert len(stable) == 2
-    points = llm.engine.cache.snapshot_points(
-        type(
-            "R",
-            (),
-            {"num_prompt_tokens": len(second.prompt_token_ids), "stable_prompt_lens": stable},
-        )()
-    )
-    assert set(stable) <= set(points) and len(second.prompt_token_ids) in points
+    chat = llm.tokenizer.render_chat(follow_up)  # type: ignore[union-attr]
+    assert chat.stable_len is not None and chat.system_len is not None
+    fields = {
+        "num_prompt_tokens": len(second.prompt_token_ids),
+        "stable_prompt_len": chat.stable_len,
+        "system_prompt_len": chat.system_len,
+    }
+    points = llm.engine.cache.snapshot_points(type("R", (), fields)())
+    assert {chat.system_len, chat.stable_len, len(second.prompt_token_ids)} <= set(points)
 
 
 def test_another_conversation_resumes_at_the_end_of_the_shared_system_prompt():
@@ -91,8 +93,8 @@ def test_another_conversation_resumes_at_the_end_of_the_shared_system_prompt():
     llm.chat(CONVERSATION, GREEDY)
     other = [CONVERSATION[0], {"role": "user", "content": "something else entirely"}]
     (second,) = llm.chat(other, GREEDY)
-    system_len = llm.tokenizer.render_chat(other).stable_lens[0]  # type: ignore[union-attr]
-    assert second.num_cached_tokens == system_len > 0
+    system_len = llm.tokenizer.render_chat(other).system_len  # type: ignore[union-attr]
+    assert second.num_cached_tokens == system_len and system_len > 0
     plain = LLM("tiny", enable_prefix_caching=False)
     assert second.token_ids == plain.chat(other, GREEDY)[0].token_ids
     assert_pools_at_baseline(llm.engine)

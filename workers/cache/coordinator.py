@@ -167,7 +167,9 @@ class CacheCoordinator:
             points.update(range(config.snapshot_interval, length + 1, config.snapshot_interval))
         if config.save_last_snapshot:
             points.add(length)
-            points.update(p for p in request.stable_prompt_lens if 0 < p < length)
+            for boundary in (request.stable_prompt_len, request.system_prompt_len):
+                if boundary is not None and 0 < boundary < length:
+                    points.add(boundary)
         points.update(p for p in config.offsets_from_start if 0 < p <= length)
         points.update(length - p for p in config.offsets_from_end if length - p > 0)
         return sorted(points)
@@ -402,8 +404,11 @@ class CacheCoordinator:
                 # NOTE: a deeper snapshot on the same path supersedes the request's previous
                 # one for anything that continues this sequence (the next turn of a
                 # conversation), so that one becomes the first to evict.
-                if state.snapshot is not None:
-                    self.mamba.demote(state.snapshot)
+                # Not the one where its system prompt ends: that one serves the other
+                # conversations with the same system prompt, which fork there.
+                previous = state.snapshot
+                if previous is not None and previous.position != request.system_prompt_len:
+                    self.mamba.demote(previous)
                 state.snapshot = snapshot
 
     def _insert(self, parent: TreeNode, tokens: list[int], own_block: int) -> TreeNode | None:

@@ -106,6 +106,27 @@ def test_a_snapshot_superseded_on_its_own_path_is_evicted_before_older_ones():
     assert_cache_at_baseline(cache)
 
 
+def test_the_snapshot_where_a_system_prompt_ends_is_not_superseded_by_deeper_ones():
+    """B's system prompt ends at 4: its snapshot there serves other conversations, so B's
+    deeper snapshot at 8 leaves it in its place, and C's commit evicts A's, the least
+    recently used one, as if B's snapshot at 4 were any other."""
+    cache = make_prefix_cache(4, 16, snapshots=3)
+    run(cache, make_request("a", prompt=tokens(9, OTHER)), 8, 9, points=[8])  # oldest
+    b = make_request("b", prompt=tokens(9))
+    b.system_prompt_len = 4
+    run(cache, b, 4, 8, 9, points=[4, 8])
+    cache.take_events()
+    run(cache, make_request("c", prompt=tokens(5, 2 * OTHER)), 4, 5, points=[4])
+    events = cache.take_events()
+    assert SnapshotRemoved(key_of(tokens(8, OTHER), 4), 4) in events  # A's, at 8
+    assert not any(
+        isinstance(e, SnapshotRemoved) and e.block_hash == key_of(tokens(4), 4) for e in events
+    )
+    assert reuse_of(cache, [*tokens(6), 7_777, 7_778])[0] == 4  # another conversation
+    assert reuse_of(cache, tokens(10, OTHER))[0] == 0
+    assert_cache_at_baseline(cache)
+
+
 def test_without_snapshot_slots_blocks_are_committed_but_nothing_is_reusable():
     cache = small_cache(snapshots=0)
     commit_nine(cache)

@@ -38,7 +38,7 @@ def test_no_points_when_prefix_caching_is_off():
     )
     cache = CacheCoordinator(num_blocks=8, block_size=32, num_live_slots=2, prefix=config)
     request = make_request("a", 150)
-    request.stable_prompt_lens = (100,)
+    request.stable_prompt_len, request.system_prompt_len = 100, 40
     assert cache.snapshot_points(request) == []
 
 
@@ -59,28 +59,32 @@ def test_offsets_from_start_and_from_end(prompt_len, points):
 @pytest.mark.parametrize(
     ("stable", "points"),
     [
-        ((), [64, 128, 150]),
-        ((100,), [64, 100, 128, 150]),
-        ((40, 100), [40, 64, 100, 128, 150]),  # a system prompt's end and the conversation's
-        ((1,), [1, 64, 128, 150]),
-        ((149,), [64, 128, 149, 150]),
-        ((128,), [64, 128, 150]),  # already a periodic point: listed once
-        ((0,), [64, 128, 150]),  # a zero count is ignored
-        ((150,), [64, 128, 150]),  # the whole prompt: the prompt end already is a point
-        ((151,), [64, 128, 150]),  # beyond the prompt: not a prefix, ignored
+        (None, [64, 128, 150]),
+        (100, [64, 100, 128, 150]),
+        (1, [1, 64, 128, 150]),
+        (149, [64, 128, 149, 150]),
+        (128, [64, 128, 150]),  # already a periodic point: listed once
+        (0, [64, 128, 150]),  # a zero count is ignored
+        (150, [64, 128, 150]),  # the whole prompt: the prompt end already is a point
+        (151, [64, 128, 150]),  # beyond the prompt: not a prefix, ignored
     ],
 )
-def test_stable_boundaries_are_points_with_save_last(stable, points):
+def test_stable_boundary_is_a_point_with_save_last(stable, points):
     cache = make_prefix_cache(interval=64, save_last=True)
     request = make_request("a", 150)
-    request.stable_prompt_lens = stable
+    request.stable_prompt_len = stable
     assert cache.snapshot_points(request) == points
+    # The system prompt's end is one by the same rules.
+    request.stable_prompt_len, request.system_prompt_len = None, stable
+    assert cache.snapshot_points(request) == points
+    request.stable_prompt_len, request.system_prompt_len = 120, 40
+    assert cache.snapshot_points(request) == [40, 64, 120, 128, 150]
 
 
 def test_stable_boundary_is_ignored_without_save_last():
     cache = make_prefix_cache(interval=64, save_last=False)
     request = make_request("a", 150)
-    request.stable_prompt_lens = (100,)
+    request.stable_prompt_len, request.system_prompt_len = 100, 40
     assert cache.snapshot_points(request) == [64, 128]
 
 
