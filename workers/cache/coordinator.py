@@ -403,9 +403,8 @@ class CacheCoordinator:
             if snapshot is not None:
                 # NOTE: a deeper snapshot on the same path supersedes the request's previous
                 # one for anything that continues this sequence (the next turn of a
-                # conversation), so that one becomes the first to evict.
-                # Not the one where its system prompt ends: that one serves the other
-                # conversations with the same system prompt, which fork there.
+                # conversation), so that one becomes the first to evict; except where its
+                # system prompt ends, where the other conversations with it fork.
                 previous = state.snapshot
                 if previous is not None and previous.position != request.system_prompt_len:
                     self.mamba.demote(previous)
