@@ -19,6 +19,7 @@ from hybridserve.workers.outputs import FinishReason, RequestOutput, TokenLogpro
 from hybridserve.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from hybridserve.workers.cache.coordinator import InFlightReuse
     from hybridserve.workers.structured_output import Grammar
 
 # Choice i > 0 of request "r" is request "r#i" inside the engine.
@@ -53,6 +54,8 @@ class Request:
     # Set by the cache manager before every scheduling pass: chunks must end at these
     # absolute positions. None = not set (an error under FORCE_CHUNK), [] = none wanted.
     expect_snapshot_points: list[int] | None = None
+    # While waiting: the prompt in flight it waits for, and where (Scheduler._waits_for_prefix).
+    prefix_wait: InFlightReuse | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

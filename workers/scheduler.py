@@ -122,6 +122,9 @@ class Scheduler:
         held: list[Request] = []
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self._still_waits(request):
+                held.append(self.waiting.popleft())
+                continue
             reuse = self.cache.find_reuse(request)
             if self._waits_for_prefix(request, reuse.num_tokens):
                 held.append(self.waiting.popleft())
@@ -144,8 +147,24 @@ class Scheduler:
         would cost as much as the prompt ahead spends on them. It waits at most until that
         prompt passes the point, which it does within a few steps of its own (a preempted
         one no longer counts as in flight), so nothing waits for ever."""
-        deepest = self.cache.reuse_in_flight(request, self.running)
-        return deepest >= num_reusable + self.cache.block_size
+        ahead = self.cache.reuse_in_flight(request, self.running)
+        if ahead is None or ahead.position < num_reusable + self.cache.block_size:
+            return False
+        request.prefix_wait = ahead
+        return True
+
+    def _still_waits(self, request: Request) -> bool:
+        """Whether the prompt `request` waits for is still running short of its point: then
+        nothing `request` could reuse has changed since the last step, and its lookup is not
+        repeated (many requests of one burst may wait on one prompt, step after step)."""
+        wait = request.prefix_wait
+        if wait is None:
+            return False
+        ahead = wait.request
+        if ahead.status is RequestStatus.RUNNING and ahead.num_computed_tokens < wait.position:
+            return True
+        request.prefix_wait = None
+        return False
 
     def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
         request = item.request

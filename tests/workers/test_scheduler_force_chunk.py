@@ -273,11 +273,17 @@ def test_a_request_sharing_a_prompt_in_flight_waits_for_its_snapshot_and_reuses_
     c = make_request("c", prompt=tokens(50, 20_000))
     for request in (a, b, c):
         scheduler.add(request)
+    lookups = []
+    find_reuse = cache.find_reuse
+    cache.find_reuse = lambda request: lookups.append(request.request_id) or find_reuse(request)
     assert step(scheduler) == [("a", 128), ("c", 50)]
     assert [r.request_id for r in scheduler.waiting] == ["b"]
+    assert (b.prefix_wait.request, b.prefix_wait.position) == (a, 256)
     assert step(scheduler) == [("a", 128)]  # c's prompt is done (nothing is sampled here)
     assert step(scheduler) == [("a", 44), ("b", 64)]  # b from 256, to its own end
-    assert b.num_cached_tokens == 256
+    assert b.num_cached_tokens == 256 and b.prefix_wait is None
+    # b's lookup runs when it first waits and once a's reaches 256, not while nothing changed.
+    assert lookups == ["a", "b", "c", "b"]
 
 
 def test_a_request_does_not_wait_for_less_than_a_block_or_for_a_preempted_prompt():

@@ -85,6 +85,15 @@ class Reuse:
         return Reuse(0, (), None, 0, lookup_len)
 
 
+@dataclass(frozen=True, slots=True)
+class InFlightReuse:
+    """A prompt in flight (`request`) that will commit a snapshot at `position` on another
+    request's path (`CacheCoordinator.reuse_in_flight`)."""
+
+    request: Request
+    position: int
+
+
 @dataclass(frozen=True)
 class Allocation:
     """What one `allocate` call added for a request."""
@@ -195,31 +204,33 @@ class CacheCoordinator:
         nodes = (*path[: hit.node.ordinal], hit.node)
         return Reuse(hit.position, nodes, hit.snapshot, attention_len, len(lookup))
 
-    def reuse_in_flight(self, request: Request, in_flight: Iterable[Request]) -> int:
+    def reuse_in_flight(
+        self, request: Request, in_flight: Iterable[Request]
+    ) -> InFlightReuse | None:
         """The deepest snapshot point that a request of `in_flight` still has ahead in its
         prompt and `request` could reuse once it is committed (the two prompts agree on every
-        token before it); 0 if none. Side-effect free.
+        token before it), with that request; None if none. Side-effect free.
 
             in flight:  | computed ....... | to compute .... P1 ....... P2 ...... |
             request:    | the same tokens ......................... | its own ... |
                                                                  ^ deepest shared point: P1
         """
         if not self.prefix.enabled or request.scores_prompt:
-            return 0
+            return None
         lookup_len = request.num_tokens - 1
         aligned_only = not self.prefix.partial_reuse
-        deepest = 0
+        deepest: InFlightReuse | None = None
         for other in in_flight:
             if other.cache_salt != request.cache_salt or other.request_id not in self._requests:
                 continue
-            floor = max(deepest, other.num_computed_tokens)
+            floor = max(deepest.position if deepest else 0, other.num_computed_tokens)
             for point in reversed(other.expect_snapshot_points or ()):
                 if point <= floor:
                     break
                 if point > lookup_len or (aligned_only and point % self.block_size):
                     continue
                 if other.token_ids[:point] == request.token_ids[:point]:
-                    deepest = point
+                    deepest = InFlightReuse(other, point)
                     break
         return deepest
 

@@ -357,7 +357,8 @@ def test_reuse_in_flight_is_the_deepest_point_ahead_before_the_fork(computed, sh
     cache = make_prefix_cache(32, 64, interval=128)
     a = in_flight_a(cache, computed)
     b = make_request("b", prompt=[*A[:shared], *tokens(100, OTHER)])
-    assert cache.reuse_in_flight(b, [a]) == expected
+    ahead = cache.reuse_in_flight(b, [a])
+    assert (ahead.position, ahead.request) == (expected, a) if expected else ahead is None
     # Once A is done, B reuses the deepest of its points before the fork.
     advance(cache, a, *[p for p in (128, 256, 300) if p > computed])
     assert cache.find_reuse(b).num_tokens == max(p for p in (0, 128, 256) if p <= shared)
@@ -369,16 +370,16 @@ def test_reuse_in_flight_stops_at_the_lookup_and_respects_salts_and_partial_reus
     cache = make_prefix_cache(32, 64, interval=128, partial=False)
     a = in_flight_a(cache, 0)
     repeat = make_request("repeat", prompt=A)  # lookup 299: the prompt end 300 is beyond it
-    assert cache.reuse_in_flight(repeat, [a]) == 256
+    assert cache.reuse_in_flight(repeat, [a]).position == 256
     a.expect_snapshot_points = [100, 150]  # unaligned points, partial reuse off
-    assert cache.reuse_in_flight(repeat, [a]) == 0
+    assert cache.reuse_in_flight(repeat, [a]) is None
     a.expect_snapshot_points = [128, 256, 300]
     other_tenant = make_request("other", prompt=A)
     other_tenant.cache_salt = "tenant-b"
-    assert cache.reuse_in_flight(other_tenant, [a]) == 0
+    assert cache.reuse_in_flight(other_tenant, [a]) is None
     scored = make_request("scored", prompt=A, prompt_logprobs=0)
-    assert cache.reuse_in_flight(scored, [a]) == 0  # it computes its whole prompt anyway
-    assert cache.reuse_in_flight(repeat, []) == 0
+    assert cache.reuse_in_flight(scored, [a]) is None  # it computes its whole prompt anyway
+    assert cache.reuse_in_flight(repeat, []) is None
     cache.free(a)
     assert_cache_at_baseline(cache)
 
