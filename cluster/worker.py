@@ -528,7 +528,10 @@ class EngineWorker:
             self.last_beat = time.monotonic()
             while self._bindings:
                 cores, done = self._bindings.popleft()
-                done.set_result(c_library.bind_team(cores))
+                # A binding its caller gave up on (bind_cpus' timeout, which gave the cores
+                # back) is not made.
+                if done.set_running_or_notify_cancel():
+                    done.set_result(c_library.bind_team(cores))
             try:
                 with self.lock:
                     outputs = self.engine.step()

@@ -108,6 +108,26 @@ def test_colocated_generate_equals_offline():
         colocated.shutdown()
 
 
+def test_a_core_binding_given_up_on_is_skipped_and_the_engine_keeps_stepping():
+    """An engine actor that stops waiting for a binding gives its cores back and cancels it:
+    the stepping thread must skip it (and not die on it), then make the next one."""
+    colocated = worker("colocated")
+    try:
+        cores = colocated.team_cores()
+        with colocated.lock:  # the stepping thread goes round and waits here
+            colocated._wake.set()
+            time.sleep(0.5)
+            given_up = colocated.bind_cores(cores)
+            assert given_up.cancel()
+            wanted = colocated.bind_cores(cores)
+        assert isinstance(wanted.result(timeout=10), bool)
+        assert colocated.team_cores() == cores
+        assert tokens_of(asyncio.run(collect(colocated.generate(request())))) == offline()
+        assert_idle_at_baseline(colocated)
+    finally:
+        colocated.shutdown()
+
+
 def test_a_stream_interval_sends_tokens_in_chunks_of_that_many():
     """The first token at once, then chunks of 3, the last one when the request ends; the
     same tokens and logprobs as one event per token."""
