@@ -1,6 +1,5 @@
 """What the benchmark scripts share: the mid-size random checkpoint, the machine record and
-the JSON result file. Imported as a sibling (`python bench/<script>.py` puts bench/ first on
-sys.path)."""
+the JSON result file."""
 
 from __future__ import annotations
 
@@ -103,17 +102,16 @@ def make_workload(
 
 
 def run_ours(
-    folder: Path, workload: Workload, compile_decode: bool = False, native_decode: bool = True
+    folder: Path, workload: Workload, forward_paths: tuple[str, ...] = ("native", "eager")
 ) -> float:
     """Seconds our engine takes for the workload (continuous batching, at most
-    `concurrency` running), after a one-request warm-up (and, with `compile_decode`, after
+    `concurrency` running), after a one-request warm-up (and, with the `compiled` path, after
     the engine compiled its decode step at start)."""
     llm = LLM(
         str(folder),
         max_num_seqs=workload.concurrency,
         max_num_batched_tokens=2048,
-        compile_decode=compile_decode,
-        native_decode=native_decode,
+        forward_paths=forward_paths,
     )
     warmup = SamplingParams(max_tokens=workload.output_lens[0], temperature=0.0, ignore_eos=True)
     llm.generate(workload.prompts[:1], warmup, use_tqdm=False)
@@ -154,28 +152,28 @@ def gemm_floor_ms(llm: LLM, batch_size: int, repeats: int = 20) -> float:
     call per matrix would add ~10 us of dispatch and a team wake-up each, which the native
     step does not pay. Otherwise each goes through the engine's own call (pre-packed where
     the engine packs)."""
-    from hybridserve.kernels.cpu_gemm import GEMV_ROWS, gemv_each
+    from hybridserve.kernels.cpu.gemm import GEMV_ROWS
+    from hybridserve.kernels.dispatch import cpu_kernel
     from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 
     model = llm.engine.executor.driver.model
-    weights = [
-        (m.weight, m.packed, m.is_packed) for m in model.modules() if isinstance(m, PackableLinear)
-    ]
-    weights.append((model.lm_head_weight, model.lm_head_packed, model.lm_head_is_packed))
+    weights = [(m.weight, m.is_packed) for m in model.modules() if isinstance(m, PackableLinear)]
+    weights.append((model.lm_head_weight, model.lm_head_is_packed))
     inputs = [
-        torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _, _ in weights
+        torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights
     ]
-    plain = [w for w, _, _ in weights]
+    plain = [w for w, _ in weights]
+    gemv_each = cpu_kernel("gemv_each")
     one_region = batch_size <= GEMV_ROWS and all(
         w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in plain
     )
     outputs = [torch.empty(batch_size, w.shape[0]) for w in plain] if one_region else []
-    multiply = gemv_each(plain, inputs, outputs) if one_region else None
+    multiply = gemv_each(plain, inputs, outputs) if one_region and gemv_each else None
     if multiply is None:
 
         def multiply() -> None:
-            for (weight, packed, is_packed), x in zip(weights, inputs, strict=True):
-                packed_matmul(x, weight, None, packed, is_packed)
+            for (weight, is_packed), x in zip(weights, inputs, strict=True):
+                packed_matmul(x, weight, None, is_packed)
 
     sync = torch.cuda.synchronize if weights[0][0].is_cuda else lambda: None
     totals = []

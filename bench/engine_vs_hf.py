@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import (
+
+from hybridserve.bench.common import (
     Workload,
     build_checkpoint,
     comparison_workloads,
@@ -29,7 +30,6 @@ from common import (
     workload_ranges,
     write_result,
 )
-
 from hybridserve.workers import LLM, SamplingParams
 
 

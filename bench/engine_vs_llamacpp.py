@@ -8,11 +8,11 @@ converted to GGUF f32 with llama.cpp's own converter, and llama-server is built 
 timing, greedy tokens for one prompt must agree between the two systems. Then the workload of
 bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs at 1, 8 and 32
 concurrent requests: ours through `LLM.generate` (at most N running), eager and with the
-compiled decode step (`compile_decode`, compiled at engine start, not timed), both with steps of
-up to eight decode rows as one C call (`native_decode`, the default), and compiled without that
-(`no native`: what the native step adds, side by side); llama.cpp through N
-parallel HTTP clients against a server with N slots and continuous batching (`-t 2`). Also:
-prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
+compiled path (`forward_paths` native, compiled, eager; compiled at engine start, not timed),
+both with steps of up to eight decode rows as one C call (the `native` path, on by default),
+and compiled without that (`no native`: what the native path adds, side by side); llama.cpp
+through N parallel HTTP clients against a server with N slots and continuous batching (`-t 2`).
+Also: prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
 of `--repeats` runs. Beside them, the floor: the output tokens/s that the GEMMs alone allow at
 each concurrency, measured in the same run (every weight streamed once per step). When
 llama.cpp cannot be built or converted here, the script says why and exits 0 (the JSON says
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import (
+
+from hybridserve.bench.common import (
     Workload,
     build_checkpoint,
     comparison_workloads,
@@ -40,8 +41,7 @@ from common import (
     workload_ranges,
     write_result,
 )
-from llamacpp import LlamaServer, Unavailable, convert, server_binary, serving
-
+from hybridserve.bench.llamacpp import LlamaServer, Unavailable, convert, server_binary, serving
 from hybridserve.workers import LLM, SamplingParams
 
 PROBE_PROMPT_LEN, PROBE_TOKENS = 64, 32
@@ -116,11 +116,8 @@ def measure(args: argparse.Namespace, folder: Path, binary: Path, gguf: Path) ->
         with serving(binary, gguf, slots=concurrency, context=context) as server:
             for _ in range(args.repeats):
                 eager = min(eager, run_ours(folder, workload))
-                ours = min(ours, run_ours(folder, workload, compile_decode=True))
-                not_native = min(
-                    not_native,
-                    run_ours(folder, workload, compile_decode=True, native_decode=False),
-                )
+                ours = min(ours, run_ours(folder, workload, ("native", "compiled", "eager")))
+                not_native = min(not_native, run_ours(folder, workload, ("compiled", "eager")))
                 theirs = min(theirs, run_theirs(server, workload))
         tokens = workload.num_output_tokens
         rows.append(

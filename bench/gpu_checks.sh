@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # The session fixtures (tests/conftest.py) start Ray, which these tests do not use.
 step tests python3 -m pytest --noconftest -p no:cacheprovider -q -rs --tb=short \
-    tests/workers/test_decode_graphs.py tests/kernels/triton tests/workers/test_parity.py \
+    tests/workers/runner/paths/test_cuda_graphs.py tests/kernels/triton tests/workers/test_parity.py \
     -k "not compiled"
 step kernels python3 bench/kernels.py --output "$out/kernels.json"
 for dtype in float32 bfloat16; do

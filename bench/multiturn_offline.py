@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_checkpoint, machine, write_result
 
+from hybridserve.bench.common import build_checkpoint, machine, write_result
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
 
 

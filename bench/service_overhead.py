@@ -14,7 +14,7 @@ On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the sm
 Offline is `Engine.step` driven in this process (a token counts when its step returns it).
 The service runs on a local Ray cluster (`hybridserve serve`'s application), measured through
 the official `openai` client streaming completions (a token counts when its chunk arrives),
-at the ingress replica's own address when Serve runs with direct ingress (cluster/local.py),
+at the ingress replica's own address when Serve runs with direct ingress (cluster/control/local.py),
 else through Serve's proxy. Each service shape is measured alternately with the offline
 engine, request by request and batch by batch, and its ratios (service / offline) are taken
 against those offline figures. The service runs once per `--torch-threads` value (CPU threads
@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_checkpoint, machine, write_result
 
-from hybridserve.cluster import local
-from hybridserve.kernels import c_library
+from hybridserve.bench.common import build_checkpoint, machine, write_result
+from hybridserve.cluster.control import local
+from hybridserve.kernels.cpu.threads import follow_torch_threads
 from hybridserve.workers import LLM, SamplingParams
 
 LATENCY_PROMPT, LATENCY_OUTPUT = 90, 64
@@ -211,15 +211,15 @@ class SideBySide:
 @contextmanager
 def engine_threads(count: int) -> Iterator[int]:
     """Run this thread's offline engine on `count` threads: torch's and OpenMP's count for
-    the native C kernels (c_library.follow_torch_threads), restored afterwards."""
+    the native C kernels (follow_torch_threads), restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(count)
-    c_library.follow_torch_threads()
+    follow_torch_threads()
     try:
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-        c_library.follow_torch_threads()
+        follow_torch_threads()
 
 
 def side_by_side(

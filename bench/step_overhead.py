@@ -12,10 +12,10 @@ ops, forward, sampling), `update` (tokens appended, commits and stop checks) and
 `Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
-mode is one engine: `eager`, `compiled` (the compiled decode step, `compile_decode`),
-`native` (steps of up to eight decode rows as one C call, `native_decode`: measured at those
-counts only, where it applies) and, on CUDA, `graphs` (decode steps replayed as CUDA graphs,
-`cuda_graphs`). Each mode runs with the others off.
+mode is one engine with one forward path before `eager` (`forward_paths`): `eager` alone,
+`compiled` (the compiled decode step), `native` (steps of up to eight decode rows as one C
+call: measured at those counts only, where it applies) and, on CUDA, `graphs` (decode steps
+replayed as CUDA graphs, the `cuda_graphs` path).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_checkpoint, gemm_floor_ms, machine, write_result
 
+from hybridserve.bench.common import build_checkpoint, gemm_floor_ms, machine, write_result
 from hybridserve.workers import LLM, SamplingParams
-from hybridserve.workers.native_decode import MAX_ROWS as MAX_NATIVE_ROWS
+from hybridserve.workers.runner.paths.native import MAX_ROWS as MAX_NATIVE_ROWS
 
 PROMPT_LEN, OUTPUT_LEN = 64, 48
 
@@ -108,13 +108,19 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
     }
 
 
+# Each mode's forward paths (the mode is named after the path it measures).
+MODE_PATHS = {
+    "eager": ("eager",),
+    "compiled": ("compiled", "eager"),
+    "native": ("native", "eager"),
+    "graphs": ("cuda_graphs", "eager"),
+}
+
+
 def mode_of(llm: LLM) -> str:
-    runner = llm.engine.executor.driver
-    if runner.decode_graphs is not None:
-        return "graphs"
-    if runner.native_decode is not None:
-        return "native"
-    return "compiled" if runner.compiled_decode is not None else "eager"
+    """The mode an engine really runs: its first path (a path that could not serve is off)."""
+    first = llm.engine.executor.driver.paths[0].name
+    return next(mode for mode, paths in MODE_PATHS.items() if paths[0] == first)
 
 
 def main() -> None:
@@ -143,9 +149,7 @@ def main() -> None:
                 max_num_batched_tokens=max(2048, most),
                 max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
                 num_kv_blocks=most * 8 + 64,
-                compile_decode=mode == "compiled",
-                native_decode=mode == "native",
-                cuda_graphs=mode == "graphs",
+                forward_paths=MODE_PATHS[mode],
                 device=args.device,
                 dtype=args.dtype,
             ) as llm:

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import build_checkpoint, machine, write_result
 
+from hybridserve.bench.common import build_checkpoint, machine, write_result
 from hybridserve.workers import LLM, SamplingParams
-from hybridserve.workers.distributed import TorchCollectives
-from hybridserve.workers.step_plan import StepPlan
+from hybridserve.workers.core.step_plan import StepPlan
+from hybridserve.workers.executors.distributed import TorchCollectives
 
 DECODE_REQUESTS, DECODE_PROMPT, DECODE_OUTPUT = 8, 64, 64
 PREFILL_PROMPT, PREFILL_REPEATS = 1024, 3

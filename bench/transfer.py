@@ -54,15 +54,15 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-from common import machine, write_result
 
+from hybridserve.bench.common import machine, write_result
 from hybridserve.transceiver.base import Pools, RegionCopy, region_copies
 from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.protocol import ReceivePlan, TransferDone
 from hybridserve.transceiver.registry import create_backend
 from hybridserve.transceiver.tp_mapping import RegionShape, plan, region_pieces
-from hybridserve.workers.config import EngineConfig
-from hybridserve.workers.host_memory import zeroed_pool
+from hybridserve.workers.core.config import EngineConfig
+from hybridserve.workers.runner.host_memory import zeroed_pool
 
 MIB = 1 << 20
 CPU = torch.device("cpu")

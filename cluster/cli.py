@@ -27,9 +27,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridserve.cluster.config import API_KEYS_ENV, ServiceConfig
-from hybridserve.cluster.router import Policy
-from hybridserve.workers.config import EngineConfig
-from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.cluster.routing.router import Policy
+from hybridserve.workers.core.config import EngineConfig
+from hybridserve.workers.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridserve.workers import LLM
@@ -62,7 +62,12 @@ def add_model_options(
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=None, help=text)
         elif typing.get_origin(kind) is tuple:
-            group.add_argument(flag, type=int, nargs="*", default=None, help=text)
+            item = typing.get_args(kind)[0]
+            if typing.get_origin(item) is typing.Literal:
+                choices = typing.get_args(item)
+                group.add_argument(flag, choices=choices, nargs="*", default=None, help=text)
+            else:
+                group.add_argument(flag, type=item, nargs="*", default=None, help=text)
         else:
             group.add_argument(flag, type=kind, default=None, help=text)
 
@@ -167,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         "service (or one it launches); TTFT and reused tokens per routing policy, against "
         "what an ideal cache could reuse.",
     )
-    from hybridserve.cluster import bench_multiturn, bench_serve
+    from hybridserve.bench import multiturn as multiturn_bench
+    from hybridserve.bench import serve as serve_bench_module
 
-    bench_multiturn.add_arguments(multiturn)
+    multiturn_bench.add_arguments(multiturn)
     _add_common(multiturn)
-    multiturn.set_defaults(handler=lambda args, parser: bench_multiturn.run(args))
+    multiturn.set_defaults(handler=lambda args, parser: multiturn_bench.run(args))
     serve_bench = benchmarks.add_parser(
         "serve",
         formatter_class=formatter,
@@ -179,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Random or shared-prefix prompts at a request rate (or all at once) "
         "against the service, or one it launches with a topology; vLLM bench serve's keys.",
     )
-    bench_serve.add_arguments(serve_bench)
+    serve_bench_module.add_arguments(serve_bench)
     _add_common(serve_bench)
-    serve_bench.set_defaults(handler=lambda args, parser: bench_serve.run(args))
+    serve_bench.set_defaults(handler=lambda args, parser: serve_bench_module.run(args))
 
     export = commands.add_parser(
         "export-tiny",
@@ -321,7 +327,7 @@ def service_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     config = service_config(args)
     local.connect_ray()

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hybridserve.cluster.router import RouterConfig
-from hybridserve.workers.config import EngineConfig
+from hybridserve.cluster.routing.router import RouterConfig
+from hybridserve.workers.core.config import EngineConfig
 
 API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"
 Role = Literal["prefill", "decode", "colocated"]
@@ -77,7 +77,9 @@ class ServiceConfig(BaseModel):
     decode_engine: dict[str, Any] = Field(
         default_factory=dict, description="EngineConfig overrides for decode engines"
     )
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    router: RouterConfig = Field(
+        default_factory=RouterConfig, description="how engines are chosen (RouterConfig, below)"
+    )
     api_keys: list[str] = Field(
         default_factory=list,
         description=f"accepted bearer keys (also {API_KEYS_ENV}, comma-separated); "
@@ -223,7 +225,7 @@ class ServiceConfig(BaseModel):
         defaults: dict[str, Any] = {} if role == "prefill" else {"mamba_snapshot_turn_end": True}
         fields = defaults | self.engine | overrides
         if fields.get("tensor_parallel_size", 1) > 1:
-            # The service's engines span rank actors (cluster/ray_executor.py).
+            # The service's engines span rank actors (cluster/control/rank_actors.py).
             fields.setdefault("distributed_executor_backend", "ray")
         return EngineConfig(**fields, model=self.model, role=role)
 

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal, TypeVar
 
-from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.core.sampling_params import SamplingParams
 
 # 2: TokenEvent carries the choice index, logprobs, prompt logprobs and the stream's end.
 # 3: token events travel in TokenBatches, one per engine step and subscriber.
@@ -21,7 +21,8 @@ from hybridserve.workers.sampling_params import SamplingParams
 # 6: the replica's calls to the engine travel on that connection too (FeedCall), answered in
 #    the TokenBatches (FeedReply); a prefill's first token is an event there like any other.
 # 7: GenerateRequest.system_prompt_len: where a chat prompt's system messages end.
-MESSAGES_VERSION = 7
+# 8: the router answers a route call with a Route or a RouteRefusal message.
+MESSAGES_VERSION = 8
 
 M = TypeVar("M", bound="_Message")
 
@@ -153,10 +154,39 @@ class PrefillResult(_Message):
 
 
 @dataclass(frozen=True)
+class Route(_Message):
+    """Where one request runs, as the router chose it. `prefill` None: the decode engine
+    prefills it itself. `incarnations`: the chosen engines' incarnations (a restarted engine is
+    a new one under the same name), so a caller holding an older handle can tell."""
+
+    prefill: str | None
+    decode: str
+    expected_cached_tokens: int
+    reason: str
+    incarnations: dict[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "route"
+
+    @property
+    def engines(self) -> list[str]:
+        """The engines this route holds load on (each to be released once)."""
+        return [name for name in (self.prefill, self.decode) if name is not None]
+
+
+@dataclass(frozen=True)
+class RouteRefusal(_Message):
+    """The router's answer when no engine takes a request now: `status` 429 (its queue is
+    full) or 503 (no decode engine is alive); nothing was allocated for it."""
+
+    status: int
+    message: str
+    kind: ClassVar[str] = "route_refusal"
+
+
+@dataclass(frozen=True)
 class FeedCall(_Message):
     """An ingress replica's call to an engine, on its token feed connection
-    (cluster/token_feed.py): `method` and `args` as the engine's `TokenOutbox` takes them
-    (cluster/feed_server.py). Answered by the FeedReply with the same `call_id`."""
+    (cluster/transport/token_feed.py): `method` and `args` as the engine's `TokenOutbox` takes them
+    (cluster/transport/feed_server.py). Answered by the FeedReply with the same `call_id`."""
 
     call_id: int
     method: str
@@ -204,8 +234,8 @@ class TokenBatch(_Message):
 
 @dataclass(frozen=True)
 class FeedTicket(_Message):
-    """Where an ingress replica reads an engine's token batches (cluster/token_feed.py), and
-    the one-time ticket that opens its connection there."""
+    """Where an ingress replica reads an engine's token batches (cluster/transport/token_feed.py),
+    and the one-time ticket that opens its connection there."""
 
     host: str
     port: int

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
-from hybridserve.workers.outputs import FinishReason
+from hybridserve.workers.core.outputs import FinishReason
 
 PREFIX = "hybridserve:"
 # NOTE: the classic text format, which every Prometheus parses; our names need no escaping, so

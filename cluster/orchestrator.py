@@ -1,6 +1,6 @@
 """One request through the service, step by step: route -> prefill -> transfer -> decode ->
 stream. The ingress runs it for every request; engines are reached through `EngineClient`
-(Ray actor handles in the service, `EngineWorker`s directly in tests).
+(Ray actor handles in the service, `EngineHost`s directly in tests).
 
     1. route     the router admits the request (or refuses it: RouteRefused, before anything
                  is allocated) and picks the decode engine, and a prefill engine unless the
@@ -31,10 +31,9 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
-from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
-from hybridserve.cluster.router import RouteRefused
+from hybridserve.cluster.messages import GenerateRequest, PrefillResult, Route, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,8 @@ class EngineClient(Protocol):
 
 
 class RouterClient(Protocol):
-    async def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]: ...
+    async def route(self, token_ids: list[int], cache_salt: str | None) -> Route:
+        """Where the request runs; raises RouteRefused when no engine takes it now."""
 
     async def release(self, engine: str) -> None: ...
 
@@ -108,26 +108,24 @@ class Orchestrator:
         request_id = request.request_id
         # 1. route
         route = await self.router.route(request.prompt_token_ids, request.cache_salt)
-        if "refused" in route:
-            raise RouteRefused(**route["refused"])
-        decode_name, prefill_name = route["decode"], route["prefill"]
+        decode_name, prefill_name = route.decode, route.prefill
         if self.incarnations is not None and any(
             self.incarnations.get(name) != incarnation
-            for name, incarnation in route["incarnations"].items()
+            for name, incarnation in route.incarnations.items()
         ):
-            for name in route["incarnations"]:
+            for name in route.engines:
                 await self.router.release(name)
-            raise StaleTopology(f"request {request_id}: routed to {route['incarnations']}")
+            raise StaleTopology(f"request {request_id}: routed to {route.incarnations}")
         logger.info(
             "request %s: %s -> %s (%s, expect %d cached)",
             request_id,
             prefill_name or "-",
             decode_name,
-            route["reason"],
-            route["expected_cached_tokens"],
+            route.reason,
+            route.expected_cached_tokens,
         )
         decode = self.engines[decode_name]
-        holding = [e for e in (prefill_name, decode_name) if e is not None]
+        holding = route.engines
         finished = False
         try:
             if prefill_name is None:

@@ -1,44 +1,59 @@
-"""Kernels used by the model layers, under backend-neutral names.
+"""Kernels used by the layers, the models and the runner, under backend-neutral names.
 
-Each name runs the Triton kernel or the torch reference (`kernels.reference`, the CPU path and
-the oracle) with the same signature; `kernels.dispatch` picks per call. `rms_norm` is
-reference-only (torch's fused rms_norm is used on every device), so are the `*_pooled`
-decode kernels that the compiled decode step traces; `cpu_gemm` is the CPU small-batch GEMM,
-and `cpu_ops` the torch operators (C++) through which layers call the CPU kernels.
+Each name runs the torch reference (`reference/`, the oracle), its Triton twin (`triton/`) or
+its CPU kernel (`cpu/`, C and C++ sources under cpu/csrc/) with the same signature: the
+dispatch table (`dispatch.KERNELS`) lists them all, and picks per call. The decode-row kernels
+that write the state pools and the GEMM on a packed weight are torch operators
+(`operators`), dispatched by torch. Nothing outside this package imports its backends.
 """
 
 from __future__ import annotations
 
-from .dispatch import dispatched
-from .reference import ChunkScanOutput, Conv1dOutput
-from .reference import rms_norm_ref as rms_norm
-from .reference.pooled import (
+# NOTE: absolute imports: the repository root on sys.path (tests, benchmarks) makes this folder
+# importable as a top-level `kernels` too, which transformers imports; relative imports would
+# then define the torch operators a second time, under that name.
+from hybridserve.kernels.cpu.gemm import can_pack, pack_weight
+from hybridserve.kernels.cpu.ops import build as build_cpu_operators
+from hybridserve.kernels.dispatch import dispatched
+from hybridserve.kernels.operators import (
     attention_decode_pooled,
     conv_update_pooled,
+    packed_linear,
+    register_packed,
     state_update_pooled,
     store_kv_pooled,
 )
+from hybridserve.kernels.reference import ChunkScanOutput, Conv1dOutput
 
 causal_conv1d = dispatched("causal_conv1d")
 causal_conv1d_update = dispatched("causal_conv1d_update")
 gated_rms_norm = dispatched("gated_rms_norm")
+linear = dispatched("linear")
 mamba_chunk_scan = dispatched("mamba_chunk_scan")
 paged_attention_decode = dispatched("paged_attention_decode")
 paged_attention_prefill = dispatched("paged_attention_prefill")
+rms_norm = dispatched("rms_norm")
 selective_state_update = dispatched("selective_state_update")
 store_kv = dispatched("store_kv")
+
 
 __all__ = [
     "ChunkScanOutput",
     "Conv1dOutput",
     "attention_decode_pooled",
+    "build_cpu_operators",
+    "can_pack",
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_pooled",
     "gated_rms_norm",
+    "linear",
     "mamba_chunk_scan",
+    "pack_weight",
+    "packed_linear",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "register_packed",
     "rms_norm",
     "selective_state_update",
     "state_update_pooled",

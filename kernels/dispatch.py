@@ -1,13 +1,20 @@
-"""Which implementation of a kernel runs: Triton or the torch reference.
+"""Which implementation of a kernel runs: the torch reference, the Triton kernel or the CPU
+kernel. `KERNELS` is the table of every kernel the layers, the models and the runner call.
 
 Per call, from the first tensor argument:
 - `HYBRIDSERVE_KERNEL_BACKEND=triton|cpu|reference` forces one backend (with
   `TRITON_INTERPRET=1` Triton also runs on the CPU, which is how its tests run without a GPU);
-- otherwise Triton for CUDA tensors and `cpu` for everything else: a CPU kernel where the
-  kernel has one (`CPU_KERNELS`; each falls back to the reference for inputs it does not
-  take), the torch reference for the rest.
+- otherwise Triton for CUDA tensors and `cpu` for everything else: the CPU kernel where the
+  kernel has one (each falls back to the reference for inputs it does not take), the torch
+  reference for the rest.
 Each backend is logged once, the first time it serves a kernel. Under `torch.compile` (the
-compiled decode step) the reference is traced: the compiler generates the kernel from it.
+compiled path) the reference is traced: the compiler generates the kernel from it.
+
+The kernels that read or write one layer of a state pool, and the GEMM on a packed weight,
+are torch operators (`operators.py`): torch's dispatcher picks their implementation, the C++
+one registered for CPU tensors once it is built (cpu/ops.py), else their reference, which
+calls the dispatched kernels of this table on the layer's view. The compiled path sees them
+as opaque calls that write the pools in place.
 """
 
 from __future__ import annotations
@@ -17,35 +24,74 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-from hybridserve.kernels import reference
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "HYBRIDSERVE_KERNEL_BACKEND"
 BACKENDS = ("triton", "cpu", "reference")
-# Public kernel name -> module of `hybridserve.kernels.triton` implementing it.
-TRITON_MODULES = {
-    "mamba_chunk_scan": "ssd",
-    "selective_state_update": "state_update",
-    "causal_conv1d": "conv1d",
-    "causal_conv1d_update": "conv1d",
-    "store_kv": "attention",
-    "paged_attention_prefill": "attention",
-    "paged_attention_decode": "attention",
-    "gated_rms_norm": "norm",
-}
-# Public kernel name -> its CPU kernel ("module:function" under `hybridserve.kernels`).
-CPU_KERNELS = {
-    "mamba_chunk_scan": "cpu_scan:mamba_chunk_scan",
-    "selective_state_update": "cpu_state_update:selective_state_update",
-    "paged_attention_decode": "cpu_attention:paged_attention_decode",
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel's implementations, each "module:function" under `hybridserve.kernels`.
+    `reference` is None only where the kernel has no torch twin of its own; its oracle is
+    named beside it in the table."""
+
+    reference: str | None
+    triton: str | None = None
+    cpu: str | None = None
+
+
+KERNELS: dict[str, Kernel] = {
+    # Mamba2: prompt chunks (scan, conv) and decode rows (state and conv updates).
+    "mamba_chunk_scan": Kernel(
+        "reference.ssd:mamba_chunk_scan_ref",
+        "triton.ssd:mamba_chunk_scan",
+        "cpu.scan:mamba_chunk_scan",
+    ),
+    "selective_state_update": Kernel(
+        "reference.state_update:selective_state_update_ref",
+        "triton.state_update:selective_state_update",
+        "cpu.state_update:selective_state_update",
+    ),
+    "causal_conv1d": Kernel("reference.conv1d:causal_conv1d_ref", "triton.conv1d:causal_conv1d"),
+    "causal_conv1d_update": Kernel(
+        "reference.conv1d:causal_conv1d_update_ref", "triton.conv1d:causal_conv1d_update"
+    ),
+    # Attention over the paged KV pool.
+    "store_kv": Kernel("reference.attention:store_kv_ref", "triton.attention:store_kv"),
+    "paged_attention_prefill": Kernel(
+        "reference.attention:paged_attention_prefill_ref",
+        "triton.attention:paged_attention_prefill",
+    ),
+    "paged_attention_decode": Kernel(
+        "reference.attention:paged_attention_decode_ref",
+        "triton.attention:paged_attention_decode",
+        "cpu.attention:paged_attention_decode",
+    ),
+    # Norms and GEMMs.
+    "gated_rms_norm": Kernel("reference.norm:gated_rms_norm_ref", "triton.norm:gated_rms_norm"),
+    "rms_norm": Kernel("reference.norm:rms_norm_ref"),
+    "linear": Kernel("reference.linear:linear_ref", cpu="cpu.gemm:linear"),
+    # Torch operators (operators.py): the reference calls the kernels above on a layer's view.
+    "packed_linear": Kernel("operators:packed_linear_reference", cpu="cpu.ops:packed_linear"),
+    "conv_update_pooled": Kernel("operators:conv_update_reference", cpu="cpu.ops:conv_update_"),
+    "state_update_pooled": Kernel("operators:ssm_update_reference", cpu="cpu.ops:ssm_update_"),
+    "store_kv_pooled": Kernel("operators:store_kv_reference", cpu="cpu.ops:store_kv_"),
+    "attention_decode_pooled": Kernel(
+        "operators:attention_decode_reference", cpu="cpu.ops:attention_decode"
+    ),
+    # CPU only. The native decode step's oracle is the model's eager step
+    # (tests/workers/runner/paths/test_native.py); the mat-vecs one after another are the
+    # GEMM floor the benchmarks compare a step with (bench/common.gemm_floor_ms).
+    "decode_step": Kernel(None, cpu="cpu.decode_step:kernel"),
+    "gemv_each": Kernel(None, cpu="cpu.gemm:gemv_each"),
 }
 
-Fn = TypeVar("Fn", bound=Callable[..., Any])
 _logged: set[str] = set()
 
 
@@ -62,22 +108,28 @@ def kernel_backend(tensor: torch.Tensor) -> str:
 
 
 @functools.cache
-def _triton_kernel(name: str) -> Callable[..., Any]:
-    module = importlib.import_module(f"hybridserve.kernels.triton.{TRITON_MODULES[name]}")
-    return getattr(module, name)
-
-
-@functools.cache
-def _cpu_kernel(name: str) -> Callable[..., Any] | None:
-    if name not in CPU_KERNELS:
+def implementation(name: str, backend: str) -> Callable[..., Any] | None:
+    """Kernel `name`'s implementation for `backend` (imported at first use), or None where it
+    has none."""
+    where = getattr(KERNELS[name], backend)
+    if where is None:
         return None
-    module, function = CPU_KERNELS[name].split(":")
+    module, function = where.split(":")
     return getattr(importlib.import_module(f"hybridserve.kernels.{module}"), function)
 
 
+def cpu_kernel(name: str) -> Callable[..., Any] | None:
+    """A CPU-only kernel's binding (`decode_step`, `gemv_each`); None under
+    `HYBRIDSERVE_KERNEL_BACKEND=reference`, which means torch everywhere."""
+    if os.environ.get(BACKEND_ENV) == "reference":
+        return None
+    return implementation(name, "cpu")
+
+
 def dispatched(name: str) -> Callable[..., Any]:
-    """The public kernel `name`: the reference `{name}_ref` or its Triton twin, per call."""
-    reference_fn = getattr(reference, f"{name}_ref")
+    """The public kernel `name`: its reference or its Triton or CPU twin, chosen per call."""
+    reference_fn = implementation(name, "reference")
+    assert reference_fn is not None, f"{name} has no reference to dispatch around"
 
     @functools.wraps(reference_fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -87,12 +139,7 @@ def dispatched(name: str) -> Callable[..., Any]:
         if backend not in _logged:
             _logged.add(backend)
             logger.info("kernel backend: %s (first used for %s)", backend, name)
-        if backend == "triton":
-            kernel = _triton_kernel(name)
-        elif backend == "cpu":
-            kernel = _cpu_kernel(name) or reference_fn
-        else:
-            kernel = reference_fn
+        kernel = implementation(name, backend) or reference_fn
         return kernel(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name

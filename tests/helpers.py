@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
-from hybridserve.workers.request import Request
-from hybridserve.workers.sampling_params import SamplingParams
+from hybridserve.workers.core.request import Request
+from hybridserve.workers.core.sampling_params import SamplingParams
 
 VOCAB = 128
 # A deployment's transfer secret, as the Coordinator would make it (transceiver/auth.py).

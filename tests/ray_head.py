@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridserve.cluster.local import free_port
+from hybridserve.cluster.control.local import free_port
 
 BIN = Path(sys.executable).parent
 

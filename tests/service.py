@@ -76,7 +76,7 @@ class Service:
 
 @pytest.fixture(scope="session")
 def service() -> Iterator[Service]:
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     # Logical CPUs: two services (Serve replicas take 1 each) and tensor-parallel bundles.
     local.connect_ray(num_cpus=8)
@@ -93,7 +93,7 @@ def beside(service: Service, config: dict[str, Any], name: str, **fields: Any) -
     serves it beside the session's service; deleted afterwards."""
     from ray import serve
 
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     url = urlsplit(service.base_url)
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
@@ -20,10 +20,15 @@ from hybridserve.transceiver.channel import Channel
 from hybridserve.transceiver.protocol import ReceivePlan
 from hybridserve.transceiver.tp_mapping import Piece
 
-if TYPE_CHECKING:
-    from hybridserve.workers.forward_batch import StateCaches
-
 RegionKind = Literal["kv", "conv", "ssm"]
+
+
+class StatePools(Protocol):
+    """An engine's state pools as its model runner holds them (`StateCaches`)."""
+
+    kv: torch.Tensor | None
+    conv: torch.Tensor | None
+    ssm: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class Pools:
     ssm: torch.Tensor | None
 
     @classmethod
-    def of(cls, caches: StateCaches) -> Pools:
+    def of(cls, caches: StatePools) -> Pools:
         """An engine's pools: its model runner's state caches (`engine.runner.caches`)."""
         return cls(caches.kv, caches.conv, caches.ssm)
 

@@ -8,12 +8,12 @@ not import the engine) under the caller's lock, since the engine's own loop step
     connect: Hello + proof ----------------->     secret first, then check layout / hash,
              <------------------ Hello + proof    add peer; or TransferError: unauthenticated
                                                   | layout_mismatch)
-    send(handoff): TransferRequest -------->    engine.prepare_receive
+    send(handoff): TransferRequest -------->    decode.prepare_receive
              <-- ReceivePlan | TransferError     (rejections hold nothing)
     backend.send (regions)  ------ bytes ---->   backend.receive into the plan's destinations
-    TransferDone ---------------------------->   engine.complete_receive
-             <------------------- TransferAck    (any failure: engine.fail_receive)
-    engine.release_handoff("acked")
+    TransferDone ---------------------------->   decode.complete_receive
+             <------------------- TransferAck    (any failure: decode.fail_receive)
+    prefill.release_handoff("acked")
 
 The handoff's pages are pinned from the moment the sender reads where they are until the send
 ends: a lease that expires or an abort that arrives meanwhile only marks the handoff, and the
@@ -149,7 +149,7 @@ class TransferReceiver:
 
     def __init__(
         self,
-        engine: DecodePort,
+        decode: DecodePort,
         layout: PeerLayout,
         backend: TransferBackend,
         *,
@@ -162,7 +162,7 @@ class TransferReceiver:
         shards: EngineShards | None = None,
         admit: Callable[[str], bool] | None = None,
     ) -> None:
-        self.engine = engine
+        self.decode = decode
         self.layout = layout
         self.admit = admit
         self.backend = backend
@@ -202,7 +202,7 @@ class TransferReceiver:
                     self._receive(channel, peer, sender, message)
                 elif isinstance(message, TransferAbort):
                     with self.lock:
-                        self.engine.fail_receive(
+                        self.decode.fail_receive(
                             message.request_id, message.reason, writer_done=True
                         )
         except (TransferFailed, LayoutMismatch) as exc:
@@ -224,7 +224,7 @@ class TransferReceiver:
         shards = self.shards if needs_shard_links(sender, self.layout) else None
         with self.lock:
             try:
-                plan = self.engine.prepare_receive(message)
+                plan = self.decode.prepare_receive(message)
             except ValueError as exc:
                 channel.send(TransferError(request_id, getattr(exc, "code", "rejected"), str(exc)))
                 return
@@ -233,14 +233,14 @@ class TransferReceiver:
                 shards.expect(request_id, plan, sender)
         except Exception as exc:
             with self.lock:
-                self.engine.fail_receive(request_id, f"shards not armed: {exc}", writer_done=True)
+                self.decode.fail_receive(request_id, f"shards not armed: {exc}", writer_done=True)
             channel.send(TransferError(request_id, "shards_unavailable", str(exc)))
             return
         try:
             channel.send(plan)
         except TransferFailed:
             with self.lock:  # nothing was sent to it: nothing can land
-                self.engine.fail_receive(request_id, "the sender went away", writer_done=True)
+                self.decode.fail_receive(request_id, "the sender went away", writer_done=True)
             if shards is not None:
                 shards.cancel(request_id)
             raise
@@ -276,7 +276,7 @@ class TransferReceiver:
                 # A TCP link is the only writer: once it failed nothing else can land. NIXL
                 # writes come from the peer's NIC, and shard links from other ranks, so those
                 # pages wait in quarantine.
-                self.engine.fail_receive(
+                self.decode.fail_receive(
                     request_id,
                     str(exc),
                     writer_done=self.backend.name == "tcp" and shards is None,
@@ -284,7 +284,7 @@ class TransferReceiver:
             raise
         with self.lock:
             try:
-                self.engine.complete_receive(request_id)
+                self.decode.complete_receive(request_id)
             except ValueError as exc:  # aborted here while its data was arriving
                 channel.send(TransferError(request_id, getattr(exc, "code", "rejected"), str(exc)))
                 return
@@ -309,7 +309,7 @@ class TransferSender:
 
     def __init__(
         self,
-        engine: PrefillPort,
+        prefill: PrefillPort,
         layout: PeerLayout,
         backend: TransferBackend,
         peer_address: tuple[str, int],
@@ -320,7 +320,7 @@ class TransferSender:
         deadline: float = 60.0,
         shards: EngineShards | None = None,
     ) -> None:
-        self.engine = engine
+        self.prefill = prefill
         self.layout = layout
         self.backend = backend
         self.peer_address = peer_address
@@ -383,7 +383,7 @@ class TransferSender:
             safe = not send.data_started or self.backend.name == "tcp"
             if send.pinned and not safe:
                 with self.lock:
-                    self.engine.unpin_handoff(request_id)
+                    self.prefill.unpin_handoff(request_id)
             return self._release(request_id, "failed", str(exc) or type(exc).__name__, now=safe)
         status = "acked" if outcome.ok else outcome.status
         self._release(request_id, status, outcome.detail, now=True)
@@ -399,7 +399,7 @@ class TransferSender:
             return SendOutcome(request_id, "rejected", f"{reply.code}: {reply.message}")
         if not isinstance(reply, ReceivePlan) or reply.request_id != request_id:
             raise TransferFailed(f"request {request_id}: expected a ReceivePlan, got {reply!r}")
-        source = self.engine.handoff_source(request_id)
+        source = self.prefill.handoff_source(request_id)
         if source is None:
             raise TransferFailed(
                 f"request {request_id}: the handoff was released (lease "
@@ -448,7 +448,7 @@ class TransferSender:
     def _release(self, request_id: str, status: str, detail: str, *, now: bool) -> SendOutcome:
         if now:
             with self.lock:
-                self.engine.release_handoff(
+                self.prefill.release_handoff(
                     request_id, status if not detail else f"{status}: {detail}"
                 )
         if status != "acked":

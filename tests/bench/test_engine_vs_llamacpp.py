@@ -8,8 +8,8 @@ import json
 
 from transformers import AutoTokenizer
 
-from bench import llamacpp
-from bench.common import build_checkpoint
+from hybridserve.bench import llamacpp
+from hybridserve.bench.common import build_checkpoint
 
 
 def test_without_llama_cpp_the_benchmark_says_why_and_exits_0(run_bench, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cluster.cpu_binding import EnginePlacement, assign_cores
+from hybridserve.cluster.engine_host.cpu_binding import EnginePlacement, assign_cores
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ that nest inside it, and measures its GEMM floor; the native mode runs only wher
 
 from __future__ import annotations
 
-from hybridserve.workers.native_decode import MAX_ROWS
+from hybridserve.workers.runner.paths.native import MAX_ROWS
 
 
 def test_quick_run_splits_each_step_into_its_parts(run_bench):

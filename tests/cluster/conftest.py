@@ -1,23 +1,24 @@
-"""Engine workers shared by the token feed tests (test_feed_server, test_token_feed,
+"""Engine hosts shared by the token feed tests (test_feed_server, test_token_feed,
 test_handles): built once per module that uses them."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_worker import worker
+from tests.cluster.engine_host.test_host import engine_host
 
 
 @pytest.fixture(scope="module")
-def colocated_worker():
-    w = worker("colocated", name="feed-colocated")
+def colocated_host():
+    w = engine_host("colocated", name="feed-colocated")
     yield w
     w.shutdown()
 
 
 @pytest.fixture(scope="module")
-def pd_workers():
-    prefill, decode = worker("prefill", name="feed-prefill"), worker("decode", name="feed-decode")
+def pd_hosts():
+    prefill = engine_host("prefill", name="feed-prefill")
+    decode = engine_host("decode", name="feed-decode")
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()

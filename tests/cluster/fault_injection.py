@@ -34,7 +34,7 @@ PROBE_TOKENS = 8
 def hold_steps(actor: Any, allowed: int) -> None:
     """The engine runs `allowed` more steps with work, then stalls (its loop keeps beating,
     but no request advances) until `resume_steps`."""
-    engine = actor.worker.engine
+    engine = actor.host.engine
     real = type(engine).step
     budget = [allowed]
 
@@ -46,24 +46,24 @@ def hold_steps(actor: Any, allowed: int) -> None:
             return real(engine)
         # Stalled: idle a moment without the engine lock (the stepping loop holds it here),
         # so that calls into the engine (stats, abort) are not starved.
-        actor.worker.lock.release()
+        actor.host.lock.release()
         try:
             time.sleep(0.01)
         finally:
-            actor.worker.lock.acquire()
+            actor.host.lock.acquire()
         return []
 
     engine.step = step
 
 
 def resume_steps(actor: Any) -> None:
-    vars(actor.worker.engine).pop("step", None)
+    vars(actor.host.engine).pop("step", None)
 
 
 def hold_receives(actor: Any) -> None:
     """Incoming transfers wait (after their request arrived, before anything is reserved)
     until `resume_receives`; `receives_done` counts those handled since."""
-    receiver = actor.worker.links.receiver
+    receiver = actor.host.links.receiver
     gate = actor.receive_gate = threading.Event()
     actor.receives_done = 0
     real = type(receiver)._receive
@@ -79,7 +79,7 @@ def hold_receives(actor: Any) -> None:
 
 
 def resume_receives(actor: Any) -> None:
-    vars(actor.worker.links.receiver).pop("_receive", None)
+    vars(actor.host.links.receiver).pop("_receive", None)
     actor.receive_gate.set()
 
 
@@ -90,7 +90,7 @@ def receives_done(actor: Any) -> int:
 
 def fail_next_step(actor: Any) -> None:
     """The engine's next step raises (then stepping is back to normal)."""
-    engine = actor.worker.engine
+    engine = actor.host.engine
 
     def step() -> list[Any]:
         del engine.step
@@ -102,25 +102,25 @@ def fail_next_step(actor: Any) -> None:
 def evict_unannounced(actor: Any) -> int:
     """Drop every cached block and snapshot, and hold back the removal events: the prefix
     index keeps saying warm until `announce_held_events`."""
-    worker = actor.worker
-    with worker._flush_lock, worker.lock:
-        worker.engine.clear_cache()
-        actor.held_events, worker._pending_events = worker._pending_events, []
+    host = actor.host
+    with host._flush_lock, host.lock:
+        host.engine.clear_cache()
+        actor.held_events, host._pending_events = host._pending_events, []
     return len(actor.held_events)
 
 
 def announce_held_events(actor: Any) -> None:
     """Send the removal events `evict_unannounced` held back (ahead of any newer ones)."""
-    worker = actor.worker
-    with worker._flush_lock, worker.lock:
-        worker._pending_events[:0] = actor.held_events
+    host = actor.host
+    with host._flush_lock, host.lock:
+        host._pending_events[:0] = actor.held_events
         actor.held_events = []
-    worker._flush_cache_events()
+    host._flush_cache_events()
 
 
 def num_streams(actor: Any) -> int:
     """Request streams open on the engine (each is a request some caller still follows)."""
-    return len(actor.worker._streams)
+    return len(actor.host._streams)
 
 
 @contextmanager

@@ -57,7 +57,7 @@ def deployment(request, service: Service, moe_checkpoint: str) -> Iterator[Deplo
 
     from ray import serve
 
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     model, prefill, decode, backend = TOPOLOGIES[request.param]
     model = moe_checkpoint if model == "moe" else model

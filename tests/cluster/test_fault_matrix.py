@@ -25,7 +25,7 @@ import pytest
 import ray
 from ray import serve
 
-from hybridserve.cluster.openai_protocol import derive_cache_salt
+from hybridserve.cluster.openai.protocol import derive_cache_salt
 from hybridserve.workers import LLM
 from tests.cluster.fault_injection import (
     HEADERS,

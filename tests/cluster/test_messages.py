@@ -15,6 +15,8 @@ from hybridserve.cluster.messages import (
     GenerateRequest,
     MessageError,
     PrefillResult,
+    Route,
+    RouteRefusal,
     TokenBatch,
     TokenEvent,
 )
@@ -36,6 +38,9 @@ MESSAGES = [
     FeedReply(5, PrefillResult("r1", "finished").to_dict()),
     FeedTicket("10.0.0.7", 41234, "5f0c"),
     FeedHello("5f0c"),
+    Route("prefill-0", "decode-1", 512, "snapshot-match", {"prefill-0": 0, "decode-1": 2}),
+    Route(None, "decode-0", 0, "decode-holder"),
+    RouteRefusal(429, "the service is at capacity"),
 ]
 
 

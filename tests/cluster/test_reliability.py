@@ -84,7 +84,7 @@ def _wedge(actor: object, seconds: float) -> None:
     stepping loop stops coming round (as a step that never returns would)."""
 
     def hold() -> None:
-        with actor.worker.lock:
+        with actor.host.lock:
             time.sleep(seconds)
 
     threading.Thread(target=hold, daemon=True).start()

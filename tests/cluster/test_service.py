@@ -16,8 +16,8 @@ import openai
 import pytest
 import ray
 
-from hybridserve.cluster.cpu_binding import EnginePlacement, assign_cores
-from hybridserve.cluster.openai_protocol import derive_cache_salt
+from hybridserve.cluster.engine_host.cpu_binding import EnginePlacement, assign_cores
+from hybridserve.cluster.openai.protocol import derive_cache_salt
 from hybridserve.workers import LLM, SamplingParams
 from tests.service import (
     API_KEY,
@@ -411,17 +411,17 @@ def test_zzz_the_killed_engine_is_restarted_and_serves_again(service):
 def test_the_serving_address_is_the_running_proxy_s(service):
     """A launch on a cluster where Serve already runs is served at that proxy's address, not
     at the port it asked for (Serve ignores a second start's http_options)."""
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     url = urlsplit(service.base_url)
     assert local.serving_address() == (url.hostname, url.port)
 
 
 def test_the_ingress_replica_also_takes_requests_directly(service, colocated_service, offline):
-    """Serve's direct ingress (on for a cluster we start, cluster/local.py): the ingress
+    """Serve's direct ingress (on for a cluster we start, cluster/control/local.py): the ingress
     replica's own address answers as the proxy does, for the application at the root and for
     one under a route prefix."""
-    from hybridserve.cluster import local
+    from hybridserve.cluster.control import local
 
     prompt = [5, 9, 11, 4]
     expected = offline_tokens(offline, prompt, max_tokens=6, temperature=0.0)

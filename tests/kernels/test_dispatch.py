@@ -1,15 +1,20 @@
-"""Backend choice: Triton for CUDA tensors, the reference on the CPU, or forced by env."""
+"""The dispatch table and the backend choice: Triton for CUDA tensors, the CPU kernel or the
+reference on the CPU, or forced by env."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridserve import kernels
 from hybridserve.kernels import dispatch
-from hybridserve.kernels.dispatch import BACKEND_ENV, TRITON_MODULES, kernel_backend
+from hybridserve.kernels.cpu import library
+from hybridserve.kernels.dispatch import BACKEND_ENV, KERNELS, implementation, kernel_backend
 
 
 def test_cpu_tensors_use_the_cpu_backend(monkeypatch):
@@ -33,7 +38,11 @@ def test_an_unknown_backend_is_an_error_listing_the_choices(monkeypatch):
 
 def test_forced_triton_calls_the_triton_kernel_and_logs_once(monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(dispatch, "_triton_kernel", lambda name: lambda *a, **k: calls.append(name))
+
+    def fake(name, backend):
+        return (lambda *a, **k: calls.append(name)) if backend == "triton" else None
+
+    monkeypatch.setattr(dispatch, "implementation", fake)
     monkeypatch.setattr(dispatch, "_logged", set())
     monkeypatch.setenv(BACKEND_ENV, "triton")
     x = torch.randn(2, 8)
@@ -44,7 +53,37 @@ def test_forced_triton_calls_the_triton_kernel_and_logs_once(monkeypatch, caplog
     assert caplog.text.count("kernel backend: triton") == 1
 
 
-def test_every_dispatched_kernel_has_a_triton_module_and_a_reference():
-    for name in TRITON_MODULES:
-        assert getattr(kernels, name).__name__ == name
-        assert getattr(kernels.reference, f"{name}_ref").__doc__ == getattr(kernels, name).__doc__
+def test_every_kernel_of_the_table_exists_and_each_dispatched_one_is_exported():
+    for name, kernel in KERNELS.items():
+        for backend in ("reference", "triton", "cpu"):
+            if getattr(kernel, backend) is not None:
+                assert callable(implementation(name, backend)), (name, backend)
+        if kernel.reference is not None and kernel.reference.startswith("reference."):
+            exported = getattr(kernels, name)
+            assert exported.__name__ == name
+            assert exported.__doc__ == implementation(name, "reference").__doc__
+
+
+def test_the_table_reaches_every_cpu_kernel():
+    """Each C or C++ source under kernels/cpu/csrc/ is bound by the module of its name
+    (cpu/<source>.py), that module binds every function the source exports (or registers,
+    for the C++ operators), and the table names the module: no CPU kernel is called around
+    dispatch. threads.c is the OpenMP team's binding, not a kernel."""
+    bound = {where.split(":")[0] for k in KERNELS.values() if (where := k.cpu) is not None}
+    sources = sorted(library.CSRC.glob("*.c")) + sorted(library.CSRC.glob("*.cpp"))
+    assert len(sources) == 7
+    for source in sources:
+        if source.name == "threads.c":
+            continue
+        module = f"cpu.{source.stem}"
+        assert module in bound, f"{source.name}: no kernel of the dispatch table uses it"
+        text = source.read_text()
+        if source.suffix == ".c":
+            exported = re.findall(r"^(?:void|int|float|int64_t) \**(\w+)\(", text, re.MULTILINE)
+        else:
+            exported = re.findall(r'm\.(?:impl|def)\("(\w+)', text)
+        binding = importlib.import_module(f"hybridserve.kernels.{module}")
+        binding_text = Path(binding.__file__).read_text()
+        assert exported, source.name
+        for symbol in exported:
+            assert symbol in binding_text, f"{source.name}: {symbol} is not bound"

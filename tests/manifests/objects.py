@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
-APP_IMPORT_PATH = "hybridserve.cluster.app:build_app"
+APP_IMPORT_PATH = "hybridserve.cluster.control.app:build_app"
 
 
 def manifest_files() -> list[Path]:

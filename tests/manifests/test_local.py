@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from hybridserve.cluster.config import API_KEYS_ENV
-from hybridserve.cluster.local import free_port
+from hybridserve.cluster.control.local import free_port
 from tests.manifests.objects import (
     MANIFESTS,
     containers,

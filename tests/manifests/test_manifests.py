@@ -30,10 +30,10 @@ import yaml
 from ray.runtime_env import RuntimeEnv
 from ray.serve.schema import ServeDeploySchema
 
-from hybridserve.cluster.app import api
-from hybridserve.cluster.bench_launch import launch_config
+from hybridserve.bench.launch import launch_config
 from hybridserve.cluster.cli import build_parser
 from hybridserve.cluster.config import API_KEYS_ENV, ServiceConfig
+from hybridserve.cluster.openai.routes import api
 from tests.helpers import make_hf_model, save_hf_checkpoint
 from tests.manifests.objects import (
     MANIFESTS,

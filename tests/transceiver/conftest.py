@@ -109,10 +109,10 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
         )
         # NOTE: a failed NIXL receive keeps its pages 5 s (a late write may still land);
         # shortened so that the baseline check does not wait that long.
-        decode.receives.quarantine_seconds = LEASE
+        decode.decode_port.quarantine_seconds = LEASE
         prefill_lock, decode_lock = threading.Lock(), threading.Lock()
         receiver = TransferReceiver(
-            decode,
+            decode.decode_port,
             decode.layout,
             wrap_receiver(
                 create_backend(backend, Pools.of(decode.caches), decode.config.transfer_streams)
@@ -124,7 +124,7 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
             deadline=receiver_deadline,
         )
         sender = TransferSender(
-            prefill,
+            prefill.prefill_port,
             prefill.layout,
             wrap_sender(
                 create_backend(backend, Pools.of(prefill.caches), prefill.config.transfer_streams)

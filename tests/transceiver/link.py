@@ -12,8 +12,8 @@ from typing import Any
 from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
 from hybridserve.transceiver.protocol import TransferRequest
 from hybridserve.workers import Engine, SamplingParams
-from hybridserve.workers.disaggregation import Handoff
-from hybridserve.workers.outputs import RequestOutput
+from hybridserve.workers.core.outputs import RequestOutput
+from hybridserve.workers.disaggregation.prefill_port import Handoff
 from tests.helpers import assert_pools_at_baseline, random_prompts
 
 ENGINE_ARGS: dict[str, Any] = {
@@ -66,7 +66,7 @@ class Link:
         while self.prefill.has_unfinished_requests():
             with self.prefill_lock:
                 self.prefill.step()
-                handoffs += self.prefill.take_handoffs()
+                handoffs += self.prefill.prefill_port.take_handoffs()
         assert [h.request.request_id for h in handoffs] == [s.request_id for s in specs]
         return handoffs
 
@@ -84,7 +84,7 @@ class Link:
     def settle(self) -> None:
         """Wait until the receiver's thread has finished with every transfer (it runs on after
         the sender has given up)."""
-        wait_until(lambda: not self.decode.receives.receiving, "the receiver to settle")
+        wait_until(lambda: not self.decode.decode_port.receiving, "the receiver to settle")
 
     def decode_all(self) -> dict[str, RequestOutput]:
         """Step the decode engine until it has nothing left; every request's final output."""

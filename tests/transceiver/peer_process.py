@@ -38,7 +38,7 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
     engine = engine_for("decode", model, backend, extra)
     lock = threading.Lock()
     receiver = TransferReceiver(
-        engine,
+        engine.decode_port,
         engine.layout,
         create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         secret=TRANSFER_SECRET,
@@ -81,7 +81,7 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
     host, port = address.rsplit(":", 1)
     lock = threading.Lock()
     sender = TransferSender(
-        engine,
+        engine.prefill_port,
         engine.layout,
         create_backend(backend, Pools.of(engine.caches), engine.config.transfer_streams),
         (host, int(port)),
@@ -111,7 +111,7 @@ def run_prefill(model: str, backend: str, address: str, extra: str | None) -> No
                     }
                 )
                 sent += 1
-            for handoff in engine.take_handoffs():
+            for handoff in engine.prefill_port.take_handoffs():
                 outcome = sender.send(handoff.request.request_id, handoff.message)
                 emit(
                     {

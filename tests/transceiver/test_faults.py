@@ -133,7 +133,7 @@ def test_a_sender_timeout_frees_the_prefill_side_at_once(make_link, expected):
     assert outcome.status == "failed"
     assert "sent nothing for 0.2 s" in outcome.detail
     with link.prefill_lock:
-        assert "r0" not in link.prefill.handoffs.pending  # released before any lease expiry
+        assert "r0" not in link.prefill.prefill_port.pending  # released before any lease expiry
         assert link.prefill.cache.num_free_blocks == link.prefill.num_kv_blocks
     finished = link.decode_all()
     assert finished["r0"].token_ids == expected["r0"]
@@ -240,10 +240,10 @@ def test_a_failed_nixl_write_holds_both_sides_until_no_write_can_land(make_link,
     assert [o.status for o in outcomes] == ["acked", "failed"]
     assert "injected fault (operation 2, every 2)" in outcomes[1].detail
     with link.prefill_lock:
-        assert "r0" not in link.prefill.handoffs.pending  # acked: freed at once
-        assert "r1" in link.prefill.handoffs.pending  # held until the lease
+        assert "r0" not in link.prefill.prefill_port.pending  # acked: freed at once
+        assert "r1" in link.prefill.prefill_port.pending  # held until the lease
     with link.decode_lock:
-        assert link.decode.receives.quarantined  # r1's destination
+        assert link.decode.decode_port.quarantined  # r1's destination
     finished = link.decode_all()
     assert {rid: o.token_ids for rid, o in finished.items()} == {
         "r0": expected["r0"],
@@ -269,7 +269,7 @@ def test_a_duplicate_request_id_is_rejected_and_holds_nothing(make_link, expecte
     with link.decode_lock:
         assert (link.decode.cache.num_free_blocks, link.decode.cache.num_free_slots) == free
     with link.prefill_lock:
-        assert "r0" not in link.prefill.handoffs.pending  # released at once
+        assert "r0" not in link.prefill.prefill_port.pending  # released at once
     finished = link.decode_all()
     assert list(finished) == ["r0"]
     assert finished["r0"].token_ids == expected["r0"]  # the first one, untouched
@@ -358,7 +358,7 @@ def test_a_handoff_released_by_its_lease_is_never_read(make_link, expected):
     time.sleep(LEASE + 0.05)
     with link.prefill_lock:
         assert link.prefill.step() == []  # idle, but the lease is enforced on every step
-        assert "r0" not in link.prefill.handoffs.pending
+        assert "r0" not in link.prefill.prefill_port.pending
     outcome = link.send(handoff)
     assert outcome.status == "failed"
     assert "the handoff was released (lease expired or aborted)" in outcome.detail
@@ -379,15 +379,15 @@ def test_expired_leases_free_a_full_prefill_engine(checkpoint):
         engine.add_request(spec.prompt, SamplingParams(**GREEDY), request_id=spec.request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    assert [h.request.request_id for h in engine.take_handoffs()] == ["r0", "r1"]
+    assert [h.request.request_id for h in engine.prefill_port.take_handoffs()] == ["r0", "r1"]
     engine.add_request(SPECS[2].prompt, SamplingParams(**GREEDY), request_id="r2")
     assert engine.step() == []  # nothing fits yet: wait, do not raise
-    assert "r0" in engine.handoffs.pending
+    assert "r0" in engine.prefill_port.pending
     time.sleep(0.55)
     outputs = engine.step()  # the leases expire first, then r2 is admitted
     assert [o.request_id for o in outputs] == ["r2"]
-    assert [h.request.request_id for h in engine.take_handoffs()] == ["r2"]
-    assert "r0" not in engine.handoffs.pending and "r1" not in engine.handoffs.pending
+    assert [h.request.request_id for h in engine.prefill_port.take_handoffs()] == ["r2"]
+    assert "r0" not in engine.prefill_port.pending and "r1" not in engine.prefill_port.pending
     engine.check_integrity()
     time.sleep(0.55)  # r2's lease
     assert engine.step() == []

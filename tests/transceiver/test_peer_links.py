@@ -1,6 +1,6 @@
 """What a transfer waits for: several links from a prefill engine to one decode engine
-(cluster/transfer_links.py, `PeerSenders`) move transfers at once, each landing as on a link
-of its own, and a send reads its hand-off's pages while the prefill engine's step holds the
+(cluster/engine_host/transfer_links.py, `PeerSenders`) move transfers at once, each landing as on a
+link of its own, and a send reads its hand-off's pages while the prefill engine's step holds the
 engine's lock. A NIXL peer with several links: test_nixl_backend.py.
 
 The harness is test_faults.py's: a real prefill engine and a real decode engine on loopback.
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from hybridserve.cluster.transfer_links import PeerSenders
+from hybridserve.cluster.engine_host.transfer_links import PeerSenders
 from hybridserve.transceiver.base import RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import Channel, TransferFailed
 from hybridserve.transceiver.endpoint import SendOutcome, TransferSender
@@ -53,7 +53,7 @@ def send_two(link: Link, senders: PeerSenders) -> list[SendOutcome]:
 def test_two_links_carry_two_transfers_at_once(make_link, expected, backend):
     link = make_link(backend=backend, wrap_sender=lambda b: Paired(b, parties=2))
     second = TransferSender(
-        link.prefill,
+        link.prefill.prefill_port,
         link.prefill.layout,
         link.sender.backend,
         link.receiver.address,
@@ -97,7 +97,7 @@ def test_a_send_moves_its_data_while_the_prefill_engine_steps(make_link, expecte
         )
         sending.start()
         wait_until(
-            lambda: not link.decode.receives.receiving and link.decode.has_unfinished_requests(),
+            lambda: not link.decode.decode_port.receiving and link.decode.has_unfinished_requests(),
             "the decode engine to admit the request",
             timeout=TIMEOUT,
         )

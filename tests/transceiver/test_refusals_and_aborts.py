@@ -86,7 +86,7 @@ def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expe
         assert outcome.status == "rejected", (code, change)
         assert outcome.detail.startswith(f"{code}: request r0"), outcome.detail
         with link.prefill_lock:  # a rejection frees the prefill side at once
-            assert "r0" not in link.prefill.handoffs.pending
+            assert "r0" not in link.prefill.prefill_port.pending
         with link.decode_lock:
             assert (link.decode.cache.num_free_blocks, link.decode.cache.num_free_slots) == free
             assert not link.decode.has_unfinished_requests()
@@ -138,7 +138,7 @@ def test_a_decode_abort_while_receiving_ends_both_sides_cleanly(make_link):
 
     def receiving() -> bool:
         with link.decode_lock:
-            return "r0" in link.decode.receives.receiving
+            return "r0" in link.decode.decode_port.receiving
 
     wait_until(receiving, "the transfer to start")
     with link.decode_lock:
@@ -209,7 +209,7 @@ def test_pages_a_send_reads_stay_pinned_through_a_lease_expiry_or_an_abort(
             aborted = link.prefill.abort("r0")
         assert aborted is not None and aborted.finish_reason == "abort"
     with link.prefill_lock:
-        assert "r0" in link.prefill.handoffs.pending
+        assert "r0" in link.prefill.prefill_port.pending
         assert link.prefill.cache.num_free_blocks == free_while_held
         with pytest.raises(ValueError, match="'r0' is already in use"):
             link.prefill.add_request(SPECS[0].prompt, request_id="r0")
@@ -217,7 +217,7 @@ def test_pages_a_send_reads_stay_pinned_through_a_lease_expiry_or_an_abort(
     sending.join(5)
     assert [o.status for o in outcomes] == ["acked"]  # the data itself was whole
     with link.prefill_lock:
-        assert "r0" not in link.prefill.handoffs.pending
+        assert "r0" not in link.prefill.prefill_port.pending
         assert link.prefill.cache.num_free_blocks == link.prefill.num_kv_blocks
     assert link.decode_all()["r0"].token_ids == expected["r0"]
     link.assert_at_baseline()
@@ -285,12 +285,12 @@ def test_a_late_write_after_a_decode_abort_never_reaches_the_next_request(make_l
 
     def receiving() -> bool:
         with link.decode_lock:
-            return "r0" in link.decode.receives.receiving
+            return "r0" in link.decode.decode_port.receiving
 
     wait_until(receiving, "the transfer to start")
     with link.decode_lock:
         link.decode.abort("r0")
-        assert link.decode.receives.quarantined
+        assert link.decode.decode_port.quarantined
         link.decode.add_request(SPECS[2].prompt, SamplingParams(**SPECS[2].params), request_id="r2")
         link.decode.step()  # r2 takes its pages before the late writes come
     gate.proceed.set()  # the rest of r0's data lands now
@@ -311,7 +311,7 @@ def test_a_full_decode_engine_rejects_with_no_capacity_and_holds_nothing(make_li
     outcome = link.send(second)
     assert outcome.status == "rejected" and "no_capacity" in outcome.detail
     with link.prefill_lock:
-        assert "r3" not in link.prefill.handoffs.pending  # freed at once, not at the lease
+        assert "r3" not in link.prefill.prefill_port.pending  # freed at once, not at the lease
     with link.decode_lock:
         assert not link.decode.has_request("r3")
     assert link.decode_all()["r1"].token_ids == expected["r1"]

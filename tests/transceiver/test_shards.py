@@ -27,7 +27,7 @@ from hybridserve.transceiver.shards import (
 )
 from hybridserve.transceiver.tp_mapping import shard, state_geometry
 from hybridserve.workers import EngineConfig
-from hybridserve.workers.disaggregation import peer_layout
+from hybridserve.workers.disaggregation.layout import peer_layout
 from hybridserve.workers.models.loader import read_model_config
 from tests.helpers import TRANSFER_SECRET
 

@@ -60,7 +60,7 @@ def test_restore_copies_the_snapshot_into_the_live_slot():
 
 def _probe(engine: Engine, position: int, prompt: list[int] | None = None):
     """A request whose lookup covers exactly `position` tokens of PROMPT (plus one to compute)."""
-    from hybridserve.workers.request import Request
+    from hybridserve.workers.core.request import Request
 
     tokens = prompt if prompt is not None else [*PROMPT[:position], 1]
     return Request(

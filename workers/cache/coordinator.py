@@ -34,7 +34,7 @@ from hybridserve.workers.cache.events import BlockRemoved, BlockStored, CacheEve
 from hybridserve.workers.cache.mamba import MambaStateManager
 from hybridserve.workers.cache.ops import CacheOp, CacheOpLog, CopySlot
 from hybridserve.workers.cache.prefix_tree import PrefixTree, Snapshot, TreeNode
-from hybridserve.workers.request import Request
+from hybridserve.workers.core.request import Request
 
 logger = logging.getLogger(__name__)
 

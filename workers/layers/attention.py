@@ -12,12 +12,10 @@ from torch import nn
 
 from hybridserve.kernels import (
     attention_decode_pooled,
-    paged_attention_decode,
     paged_attention_prefill,
-    store_kv,
     store_kv_pooled,
 )
-from hybridserve.workers.forward_batch import ForwardBatch, KVLayer
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -25,7 +23,7 @@ from hybridserve.workers.layers.linear import (
 )
 from hybridserve.workers.layers.rope import RotaryEmbedding
 from hybridserve.workers.models.config import AttentionSpec
-from hybridserve.workers.parallel import ParallelContext
+from hybridserve.workers.runner.forward_batch import ForwardBatch, KVLayer
 
 
 class Attention(nn.Module):
@@ -65,29 +63,17 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rope is not None:
             q, k = self.rope(batch.positions, q, k)
-        if torch.compiler.is_compiling():
-            # The compiled decode step (decode rows only) writes and reads the pool itself.
-            store_kv_pooled(k, v, kv_cache.pool, kv_cache.layer, batch.slot_mapping)
-            out = attention_decode_pooled(
-                q,
-                kv_cache.pool,
-                kv_cache.layer,
-                block_tables=batch.block_tables,
-                seq_lens=batch.seq_lens,
-                scale=self.scale,
-            )
-            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-        key_cache, value_cache = kv_cache.key, kv_cache.value
-        store_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        # Through (pool, layer): a step the compiled path traces writes the pool in place.
+        store_kv_pooled(k, v, kv_cache.pool, kv_cache.layer, batch.slot_mapping)
 
         nd = batch.num_decode
         parts = []
         if nd:
             parts.append(
-                paged_attention_decode(
+                attention_decode_pooled(
                     q[:nd],
-                    key_cache,
-                    value_cache,
+                    kv_cache.pool,
+                    kv_cache.layer,
                     block_tables=batch.block_tables[:nd],
                     seq_lens=batch.seq_lens[:nd],
                     scale=self.scale,
@@ -97,8 +83,8 @@ class Attention(nn.Module):
             parts.append(
                 paged_attention_prefill(
                     q[nd:],
-                    key_cache,
-                    value_cache,
+                    kv_cache.key,
+                    kv_cache.value,
                     block_tables=batch.block_tables[nd:],
                     cu_seqlens_q=batch.prefill_cu_seqlens,
                     seq_lens=batch.seq_lens[nd:],

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridserve.kernels import cpu_ops
-from hybridserve.kernels.cpu_gemm import can_pack, linear, pack_weight
-from hybridserve.workers.parallel import ParallelContext
+from hybridserve.kernels import can_pack, linear, pack_weight, packed_linear, register_packed
+from hybridserve.workers.executors.parallel import ParallelContext
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -61,19 +60,13 @@ def new_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None
 
 
 def packed_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    is_packed: bool,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, is_packed: bool
 ) -> torch.Tensor:
-    """x weight^T + bias, with `packed` (a copy of weight, or None) where it helps; `is_packed`:
-    `cpu_ops.register_packed(weight, packed)` succeeded."""
-    if is_packed:  # eager or compiled: the C++ operator, no Python per call
-        return cpu_ops.packed_linear(x, weight, bias)
-    if torch.compiler.is_compiling():
-        return linear(x, weight, bias)  # the compiler cannot trace a packed copy
-    return linear(x, weight, bias, packed)
+    """x weight^T + bias; `is_packed`: weight has a registered packed copy, which the
+    `packed_linear` operator finds by its address."""
+    if is_packed:
+        return packed_linear(x, weight, bias)
+    return linear(x, weight, bias)
 
 
 class PackableLinear(nn.Module):
@@ -81,8 +74,7 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    # Whether `cpu_ops.packed_linear` finds `packed`: a flag the compiler reads (it cannot
-    # look at an opaque tensor).
+    # Whether `packed` exists: a flag the compiler reads (it cannot look at an opaque tensor).
     is_packed: bool = False
 
     def pack_for_cpu(self) -> None:
@@ -90,10 +82,11 @@ class PackableLinear(nn.Module):
         apply (GPU, non-float32)."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight)
-            self.is_packed = cpu_ops.register_packed(self.weight, self.packed)
+            register_packed(self.weight, self.packed)
+            self.is_packed = True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return packed_matmul(x, self.weight, bias, self.packed, self.is_packed)
+        return packed_matmul(x, self.weight, bias, self.is_packed)
 
 
 class ColumnParallelLinear(PackableLinear):

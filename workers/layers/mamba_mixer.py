@@ -19,14 +19,12 @@ from torch import nn
 
 from hybridserve.kernels import (
     causal_conv1d,
-    causal_conv1d_update,
     conv_update_pooled,
     gated_rms_norm,
     mamba_chunk_scan,
-    selective_state_update,
     state_update_pooled,
 )
-from hybridserve.workers.forward_batch import ForwardBatch, MambaLayer
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,7 +32,7 @@ from hybridserve.workers.layers.linear import (
     new_param,
 )
 from hybridserve.workers.models.config import MambaSpec
-from hybridserve.workers.parallel import ParallelContext
+from hybridserve.workers.runner.forward_batch import ForwardBatch, MambaLayer
 
 
 class MambaMixer(nn.Module):
@@ -133,26 +131,16 @@ class MambaMixer(nn.Module):
         outputs = []
         if nd:
             slots = batch.mamba_slots[:nd]
-            # Traced by the compiled decode step: kernels that write the pools, not views.
-            if torch.compiler.is_compiling():
-                conv_out = conv_update_pooled(
-                    xbc[:nd],
-                    conv_weight,
-                    self.conv_bias,
-                    conv_pool=state.conv_pool,
-                    layer=state.layer,
-                    state_slots=slots,
-                    activation=spec.activation,
-                )
-            else:
-                conv_out = causal_conv1d_update(
-                    xbc[:nd],
-                    conv_weight,
-                    self.conv_bias,
-                    conv_states=conv_states,
-                    state_slots=slots,
-                    activation=spec.activation,
-                )
+            # Through (pool, layer): a step the compiled path traces writes the pools in place.
+            conv_out = conv_update_pooled(
+                xbc[:nd],
+                conv_weight,
+                self.conv_bias,
+                conv_pool=state.conv_pool,
+                layer=state.layer,
+                state_slots=slots,
+                activation=spec.activation,
+            )
             x, B, C = conv_out.split(split, dim=-1)
             step_args = (
                 x.view(nd, heads, head_dim),
@@ -165,8 +153,6 @@ class MambaMixer(nn.Module):
                 state_update_pooled(
                     state.ssm_pool, state.layer, *step_args, state_slots=slots, **scan_args
                 )
-                if torch.compiler.is_compiling()
-                else selective_state_update(ssm_states, *step_args, state_slots=slots, **scan_args)
             )
         if num_tokens > nd:
             slots = batch.mamba_slots[nd:]

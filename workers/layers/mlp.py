@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.activation import ACTIVATIONS
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
@@ -12,7 +13,6 @@ from hybridserve.workers.layers.linear import (
     split_ranges,
 )
 from hybridserve.workers.models.config import MLPSpec
-from hybridserve.workers.parallel import ParallelContext
 
 
 class MLP(nn.Module):

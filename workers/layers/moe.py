@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.activation import ACTIVATIONS
 from hybridserve.workers.layers.linear import ReplicatedLinear, mark_shard, new_param
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.models.config import MoESpec
-from hybridserve.workers.parallel import ParallelContext
 
 
 class Router(nn.Module):

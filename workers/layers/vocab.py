@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.linear import mark_shard, new_param
-from hybridserve.workers.parallel import ParallelContext
 
 
 def vocab_param(

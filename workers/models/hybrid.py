@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import cpu_ops
-from hybridserve.kernels.cpu_gemm import can_pack, pack_weight
-from hybridserve.workers.forward_batch import ForwardBatch, StateCaches
+from hybridserve.kernels import can_pack, pack_weight, register_packed
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
@@ -22,7 +21,7 @@ from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
 from hybridserve.workers.layers.vocab import VocabParallelEmbedding, gather_logits, vocab_param
 from hybridserve.workers.models.config import HybridModelConfig, LayerKind
-from hybridserve.workers.parallel import ParallelContext
+from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 
 
 class Sublayer(nn.Module):
@@ -93,7 +92,7 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype, device)
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_is_packed = False  # `cpu_ops.packed_linear` finds lm_head_packed
+        self.lm_head_is_packed = False  # whether lm_head_packed exists (as PackableLinear)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -120,18 +119,15 @@ class HybridForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack_for_cpu()
-        self.lm_head_packed = (
-            pack_weight(self.lm_head_weight) if can_pack(self.lm_head_weight) else None
-        )
-        self.lm_head_is_packed = self.lm_head_packed is not None and cpu_ops.register_packed(
-            self.lm_head_weight, self.lm_head_packed
-        )
+        if can_pack(self.lm_head_weight):
+            self.lm_head_packed = pack_weight(self.lm_head_weight)
+            register_packed(self.lm_head_weight, self.lm_head_packed)
+            self.lm_head_is_packed = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(R, hidden) -> float32 logits (R, vocab) on rank 0; None on the other ranks (every
         rank computes its vocabulary rows, rank 0 gathers them)."""
-        weight, packed = self.lm_head_weight, self.lm_head_packed
-        local = packed_matmul(hidden, weight, None, packed, self.lm_head_is_packed)
+        local = packed_matmul(hidden, self.lm_head_weight, None, self.lm_head_is_packed)
         logits = gather_logits(local, self.parallel, self.config.vocab_size)
         if logits is None:
             return None

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
+from hybridserve.workers.core.tokenizer import Tokenizer
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.linear import shard_tensor
 from hybridserve.workers.models.adapter import ArchitectureAdapter, WeightSource
 from hybridserve.workers.models.config import (
@@ -27,8 +29,6 @@ from hybridserve.workers.models.config import (
 )
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.registry import get_adapter
-from hybridserve.workers.parallel import ParallelContext
-from hybridserve.workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from hybridserve.workers.core.tokenizer import Tokenizer
 from hybridserve.workers.models.loader import Checkpoint, MemorySource
-from hybridserve.workers.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258

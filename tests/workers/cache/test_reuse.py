@@ -14,7 +14,7 @@ from hybridserve.workers.cache.events import (
     SnapshotStored,
 )
 from hybridserve.workers.cache.hashing import root_hash
-from hybridserve.workers.config import EngineConfig
+from hybridserve.workers.core.config import EngineConfig
 from tests.helpers import (
     assert_cache_at_baseline,
     make_prefix_cache,

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.models.config import ConfigError, WeightError
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.loader import load_model, open_checkpoint
 from hybridserve.workers.models.tiny import tiny_checkpoint, write_tiny_checkpoint
-from hybridserve.workers.parallel import ParallelContext
 from tests.helpers import ARCHITECTURES, hf_greedy, make_hf_model
 
 SMALL = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 64}

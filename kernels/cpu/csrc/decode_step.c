@@ -1,0 +1,324 @@
+#include "attend.h"
+#include "dot.h"
+#include "ssm_update_head.h"
+
+#include <omp.h>
+
+enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2 };
+enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
+
+typedef struct {
+    const float *weight, *bias; /* (rows, cols) row-major; bias (rows,) or NULL */
+    int64_t rows, cols;
+} Linear;
+
+typedef struct {
+    int64_t kind, cache_index;
+    const float *norm;
+    Linear in[3]; /* mamba: in_proj; attention: q, k, v; mlp: up or [gate | up] */
+    Linear out;   /* out_proj, o_proj or down_proj */
+    /* mamba */
+    const float *conv_weight, *conv_bias, *dt_bias, *A, *D, *gate_norm;
+    int64_t heads, head_dim, groups, state_size, conv_kernel, conv_silu;
+    float gate_eps, dt_min, dt_max;
+    /* attention; cos, sin: (positions, rotary_dim / 2), NULL without RoPE */
+    const float *cos, *sin;
+    int64_t q_heads, kv_heads, attention_head_dim, rotary_dim;
+    float scale;
+    /* mlp */
+    int64_t gated, activation;
+} Layer;
+
+typedef struct {
+    int64_t num_layers, hidden_size;
+    const Layer *layers;
+    const float *embed, *final_norm;
+    Linear lm_head;
+    float embedding_multiplier, residual_multiplier, norm_eps, logits_divisor;
+    float *conv_pool;
+    int64_t conv_slot_stride, conv_layer_stride;
+    float *ssm_pool;
+    int64_t ssm_slot_stride, ssm_layer_stride;
+    float *kv_pool;
+    int64_t kv_block_stride, kv_layer_stride, kv_value_offset, block_size;
+    /* scratch, one row per decode row: the residual stream and its norm (hidden_size), the
+       projections (projected_size), the mixer's inner values (mixed_size) */
+    float *hidden, *normed, *projected, *mixed;
+    int64_t projected_size, mixed_size;
+} Model;
+
+/* The step's decode rows: each one token at position seq_len - 1. */
+typedef struct {
+    int64_t rows;
+    const int64_t *seq_lens; /* (rows,) context including the token */
+    const int64_t *tables;   /* (rows, width) KV block ids */
+    int64_t width;
+    const int64_t *slots;    /* (rows,) Mamba slots */
+} Step;
+
+/* y[j] = row o + j of l times x, plus its bias, for the count (<= 4) rows from o. */
+static inline void rows_of(const Linear *l, int64_t o, int64_t count, const float *x, float *y) {
+    dot_rows(l->weight + o * l->cols, count, l->cols, x, y);
+    if (l->bias)
+        for (int64_t j = 0; j < count; ++j) y[j] += l->bias[o + j];
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static inline float activate(float x, int64_t activation) {
+    switch (activation) {
+        case ACT_SILU: return silu(x);
+        case ACT_RELU2: return x > 0.0f ? x * x : 0.0f;
+        case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+        default: return x;
+    }
+}
+
+/* Called by the whole team (as every function below): a thread per row normalises it. */
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out,
+                     int64_t rows) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        const float inverse = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inverse * weight[i];
+    }
+}
+
+/* Row r of y = the `count` projections of row r of x (hidden_size apart) laid end to end
+   (projected_size apart). The weights go four rows at a time (`dot_rows`), each read once
+   for every decode row; the pieces of four are shared over the team in shrinking runs (a
+   VM's threads often run at different speeds). */
+static void project(const Model *m, const Linear *ls, int64_t count, const float *x, float *y,
+                    int64_t rows) {
+    int64_t pieces = 0;
+    for (int64_t i = 0; i < count; ++i) pieces += (ls[i].rows + 3) / 4;
+#pragma omp for schedule(guided, 8)
+    for (int64_t p = 0; p < pieces; ++p) {
+        /* piece p: rows 4k.. of projection i, which starts at `at` in y's row */
+        int64_t i = 0, k = p, at = 0;
+        while (k >= (ls[i].rows + 3) / 4) {
+            k -= (ls[i].rows + 3) / 4;
+            at += ls[i++].rows;
+        }
+        const int64_t o = 4 * k, n = ls[i].rows - o < 4 ? ls[i].rows - o : 4;
+        for (int64_t r = 0; r < rows; ++r)
+            rows_of(&ls[i], o, n, x + r * m->hidden_size, y + r * m->projected_size + at + o);
+    }
+}
+
+/* hidden += multiplier * (x W^T + b), x's rows mixed_size apart: the residual add inside the
+   output projection. */
+static void project_residual(const Model *m, const Linear *l, const float *x, int64_t rows) {
+    const float multiplier = m->residual_multiplier;
+#pragma omp for schedule(guided, 8)
+    for (int64_t o = 0; o < l->rows; o += 4) {
+        const int64_t n = l->rows - o < 4 ? l->rows - o : 4;
+        for (int64_t r = 0; r < rows; ++r) {
+            float out[4];
+            rows_of(l, o, n, x + r * m->mixed_size, out);
+            for (int64_t j = 0; j < n; ++j)
+                m->hidden[r * m->hidden_size + o + j] += multiplier * out[j];
+        }
+    }
+}
+
+static void mamba(const Model *m, const Layer *l, const Step *step) {
+    const int64_t P = l->head_dim, N = l->state_size, W = l->conv_kernel, rows = step->rows;
+    const int64_t inner = l->heads * P, group_state = l->groups * N;
+    const int64_t conv_dim = inner + 2 * group_state;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 1, m->normed, m->projected, rows);
+    /* a row of projected: z (inner) | x B C (conv_dim) | dt (heads);
+       a row of mixed: x B C convolved (conv_dim) | y (inner) */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < conv_dim; ++c) {
+            /* window: the W - 1 kept inputs (oldest first), then this token's */
+            float *kept = m->conv_pool + step->slots[r] * m->conv_slot_stride +
+                          l->cache_index * m->conv_layer_stride + c * (W - 1);
+            const float input = m->projected[r * m->projected_size + inner + c];
+            const float *w = l->conv_weight + c * W;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < W - 1; ++k) acc += kept[k] * w[k];
+            acc += input * w[W - 1];
+            if (l->conv_bias) acc += l->conv_bias[c];
+            for (int64_t k = 0; k + 1 < W - 1; ++k) kept[k] = kept[k + 1];
+            kept[W - 2] = input;
+            m->mixed[r * m->mixed_size + c] = l->conv_silu ? silu(acc) : acc;
+        }
+    }
+    const int64_t heads_per_group = l->heads / l->groups;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < l->heads; ++h) {
+            const float *convolved = m->mixed + r * m->mixed_size;
+            const float *B = convolved + inner, *C = B + group_state;
+            float dt = m->projected[r * m->projected_size + inner + conv_dim + h] + l->dt_bias[h];
+            dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, as torch's */
+            dt = fminf(fmaxf(dt, l->dt_min), l->dt_max);
+            const int64_t g = h / heads_per_group;
+            float *states = m->ssm_pool + step->slots[r] * m->ssm_slot_stride +
+                            l->cache_index * m->ssm_layer_stride;
+            ssm_update_head(states + h * P * N, P, N, convolved + h * P, dt, l->A[h], B + g * N,
+                            C + g * N, l->D ? l->D[h] : 0.0f,
+                            m->mixed + r * m->mixed_size + conv_dim + h * P);
+        }
+    }
+    const int64_t group_size = inner / l->groups;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < l->groups; ++g) {
+            float *y = m->mixed + r * m->mixed_size + conv_dim + g * group_size;
+            const float *z = m->projected + r * m->projected_size + g * group_size;
+            float squares = 0.0f;
+            for (int64_t i = 0; i < group_size; ++i) {
+                y[i] *= silu(z[i]);
+                squares += y[i] * y[i];
+            }
+            const float inverse = 1.0f / sqrtf(squares / (float)group_size + l->gate_eps);
+            for (int64_t i = 0; i < group_size; ++i)
+                y[i] = y[i] * inverse * l->gate_norm[g * group_size + i];
+        }
+    }
+    project_residual(m, &l->out, m->mixed + conv_dim, rows);
+}
+
+/* The first rotary_dim dims of a head: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
+static inline void rotate(float *x, const float *cos, const float *sin, int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[half + i];
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[half + i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+static void attention(const Model *m, const Layer *l, const Step *step) {
+    const int64_t D = l->attention_head_dim, H = l->q_heads, Hkv = l->kv_heads;
+    const int64_t bs = m->block_size, rows = step->rows, group = H / Hkv;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 3, m->normed, m->projected, rows);
+    /* a row of projected: q (H heads) | k (Hkv) | v (Hkv): q and k adjacent, one loop
+       rotates both */
+    if (l->cos) {
+        const int64_t half = l->rotary_dim / 2;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t h = 0; h < H + Hkv; ++h) {
+                const int64_t at = (step->seq_lens[r] - 1) * half;
+                rotate(m->projected + r * m->projected_size + h * D, l->cos + at, l->sin + at,
+                       half);
+            }
+        }
+    }
+    float *key = m->kv_pool + l->cache_index * m->kv_layer_stride;
+    float *value = key + m->kv_value_offset;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < Hkv; ++g) {
+            /* each (row, KV head) stores the token's K and V, then attends over them */
+            const int64_t position = step->seq_lens[r] - 1;
+            const int64_t *table = step->tables + r * step->width;
+            const float *q = m->projected + r * m->projected_size;
+            const float *k = q + H * D, *v = k + Hkv * D;
+            const int64_t at = table[position / bs] * m->kv_block_stride +
+                               (g * bs + position % bs) * D;
+            memcpy(key + at, k + g * D, sizeof(float) * D);
+            memcpy(value + at, v + g * D, sizeof(float) * D);
+            attend_group(q + g * group * D, key, value, m->kv_block_stride, table,
+                         step->seq_lens[r], g, group, D, bs, l->scale,
+                         m->mixed + r * m->mixed_size + g * group * D);
+        }
+    }
+    project_residual(m, &l->out, m->mixed, rows);
+}
+
+static void mlp(const Model *m, const Layer *l, const Step *step) {
+    const Linear *in = &l->in[0];
+    const int64_t size = l->gated ? in->rows / 2 : in->rows, rows = step->rows;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+#pragma omp for schedule(guided, 8)
+    for (int64_t o = 0; o < size; o += 4) {
+        const int64_t n = size - o < 4 ? size - o : 4;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *x = m->normed + r * m->hidden_size;
+            float *y = m->mixed + r * m->mixed_size + o;
+            float up[4]; /* gated: y is the gate, then act(gate) * up */
+            rows_of(in, o, n, x, y);
+            if (l->gated) rows_of(in, size + o, n, x, up);
+            for (int64_t j = 0; j < n; ++j)
+                y[j] = activate(y[j], l->activation) * (l->gated ? up[j] : 1.0f);
+        }
+    }
+    project_residual(m, &l->out, m->mixed, rows);
+}
+
+/* Whether logit v beats `best` (at a lower index) in torch.argmax's order: a NaN beats any
+   number, and among equals the first wins. */
+static inline int beats(float v, float best) { return v > best || (v != v && best == best); }
+
+/* The step's decode rows, `tokens` (rows,); writes their logits (rows, lm_head rows), divided
+   by logits_divisor, to `out`, and each row's greedy token (its argmax, as torch.argmax) to
+   `greedy` (rows,). Each thread keeps the best of the logits it wrote while they are in its
+   cache (read back by another core they cost ~35 us a step); one thread then compares the
+   threads' bests. */
+void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float *out,
+                 int64_t *greedy) {
+    const int64_t H = m->hidden_size, vocab = m->lm_head.rows, rows = step->rows;
+    const int threads = omp_get_max_threads();
+    float best_value[threads * rows];
+    int64_t best_index[threads * rows];
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < H; ++i)
+                m->hidden[r * H + i] = m->embed[tokens[r] * H + i] * m->embedding_multiplier;
+        for (int64_t i = 0; i < m->num_layers; ++i) {
+            const Layer *l = &m->layers[i];
+            if (l->kind == KIND_MAMBA)
+                mamba(m, l, step);
+            else if (l->kind == KIND_ATTENTION)
+                attention(m, l, step);
+            else
+                mlp(m, l, step);
+        }
+        rms_norm(m->hidden, m->final_norm, H, m->norm_eps, m->normed, rows);
+        /* this thread's best per row; its pieces come in increasing order (a dynamic
+           schedule hands them out in order), so the first of equals stays */
+        float *value = best_value + omp_get_thread_num() * rows;
+        int64_t *index = best_index + omp_get_thread_num() * rows;
+        for (int64_t r = 0; r < rows; ++r) index[r] = -1;
+#pragma omp for schedule(guided, 8)
+        for (int64_t o = 0; o < vocab; o += 4) {
+            const int64_t n = vocab - o < 4 ? vocab - o : 4;
+            for (int64_t r = 0; r < rows; ++r) {
+                float *y = out + r * vocab + o;
+                rows_of(&m->lm_head, o, n, m->normed + r * H, y);
+                if (m->logits_divisor != 1.0f)
+                    for (int64_t j = 0; j < n; ++j) y[j] /= m->logits_divisor;
+                for (int64_t j = 0; j < n; ++j)
+                    if (index[r] < 0 || beats(y[j], value[r])) {
+                        value[r] = y[j];
+                        index[r] = o + j;
+                    }
+            }
+        }
+#pragma omp single nowait
+        for (int64_t r = 0; r < rows; ++r) {
+            int64_t pick = -1;
+            float pick_value = 0.0f;
+            for (int t = 0; t < omp_get_num_threads(); ++t) {
+                const int64_t i = best_index[t * rows + r];
+                const float v = best_value[t * rows + r];
+                if (i >= 0 && (pick < 0 || beats(v, pick_value) ||
+                               (!beats(pick_value, v) && i < pick))) {
+                    pick = i;
+                    pick_value = v;
+                }
+            }
+            greedy[r] = pick;
+        }
+    }
+}

@@ -1,0 +1,59 @@
+"""The documentation stays true: the map lists exactly the packages there are, the
+configuration reference is what the code generates, the front pages keep their size, and
+every relative link lands on a file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from hybridserve.cluster import config_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+FOLDERS = {"bench", "cluster", "kernels", "transceiver", "workers"}
+
+
+def packages_on_disk() -> set[str]:
+    found = set()
+    for folder in FOLDERS:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT).parts
+            found.add(".".join(("hybridserve", *relative)))
+    return found
+
+
+def test_the_map_lists_every_package_and_only_packages_that_exist():
+    listed = set(
+        re.findall(r"^\| `(hybridserve[\w.]*)` \|", (DOCS / "structure.md").read_text(), re.M)
+    )
+    assert listed == packages_on_disk()
+
+
+def test_every_package_is_installed():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert set(project["tool"]["setuptools"]["packages"]) == packages_on_disk()
+
+
+def test_the_configuration_reference_is_the_generated_one():
+    """Regenerate with `python -m hybridserve.cluster.config_reference > docs/configuration.md`."""
+    assert (DOCS / "configuration.md").read_text() == config_reference.reference()
+
+
+@pytest.mark.parametrize(("page", "limit"), [("README.md", 300), ("docs/architecture.md", 400)])
+def test_the_front_pages_stay_short(page, limit):
+    assert len((ROOT / page).read_text().splitlines()) <= limit
+
+
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_lands_on_a_file(page):
+    text = page.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    missing = [link for link in links if "://" not in link and not (page.parent / link).exists()]
+    assert not missing, f"{page.name}: {missing}"

@@ -1,0 +1,74 @@
+"""The C kernels' build (kernels/cpu/library.py) and their threads (kernels/cpu/threads.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+
+from hybridserve.kernels.cpu import library, threads
+from tests.helpers import on_new_thread_with_torch_threads
+
+TEAM_SOURCE = """
+#include <omp.h>
+void team_size(int *size) {
+#pragma omp parallel
+  {
+#pragma omp single
+    *size = omp_get_num_threads();
+  }
+}
+"""
+
+
+def test_a_thread_s_kernels_follow_torch_s_thread_count(tmp_path):
+    """A thread starts from OMP_NUM_THREADS (Ray sets it to 1 in an actor), which the C
+    kernels' parallel regions would take; after `follow_torch_threads` they take torch's."""
+    probe = tmp_path / "team_size.c"
+    probe.write_text(TEAM_SOURCE)
+    team_size = library.function(probe, "team_size", [ctypes.c_void_p])
+    runtime = threads._openmp()
+    if team_size is None or runtime is None:
+        pytest.skip("no C compiler or no OpenMP runtime")
+    sizes: list[int | None] = []
+
+    def stepping_thread() -> None:
+        runtime.omp_set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a new thread
+        size = ctypes.c_int(0)
+        team_size(ctypes.byref(size))
+        sizes.append(size.value)
+        sizes.append(threads.follow_torch_threads())
+        team_size(ctypes.byref(size))
+        sizes.append(size.value)
+
+    on_new_thread_with_torch_threads(stepping_thread)
+    assert sizes == [1, 2, 2]
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in library.CSRC.glob("*.c*")))
+def test_each_source_compiles_without_a_warning(source):
+    """Every C and C++ source under csrc/, with the flags the build uses plus -Wall -Werror
+    (the C++ against this torch's headers, which are system headers there)."""
+    path = library.CSRC / source
+    if path.suffix == ".c":
+        compiler, flags = shutil.which("cc") or shutil.which("gcc"), list(library.C_FLAGS)
+    else:
+        from torch.utils import cpp_extension
+
+        compiler, flags = shutil.which("c++") or shutil.which("g++"), ["-std=c++20"]
+        for folder in cpp_extension.include_paths():
+            flags += ["-isystem", folder]
+    if compiler is None:
+        pytest.skip("no compiler")
+    flags = [f for f in flags if f not in ("-shared", "-fPIC")]
+    command = [compiler, "-fsyntax-only", "-Wall", "-Werror", f"-I{library.CSRC}", *flags]
+    result = subprocess.run([*command, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_source_s_cache_key_covers_the_headers_it_includes():
+    """decode_step.c includes three headers; a change in any of them must rebuild it."""
+    names = {path.name for path in library.source_files(library.CSRC / "decode_step.c")}
+    assert names == {"decode_step.c", "attend.h", "dot.h", "ssm_update_head.h"}

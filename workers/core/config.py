@@ -1,0 +1,239 @@
+"""Engine arguments: one validated pydantic model, the same names as the CLI's --kebab-case."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hybridserve.workers.runner.paths import ForwardPathName
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine: model, memory pools, batching limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("tiny", description="'tiny' (built in) or an HF-format checkpoint folder")
+    dtype: DType = Field("float32", description="weights and activations")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present")
+    seed: int = Field(0, description="default sampling seed for requests without their own")
+    forward_paths: tuple[ForwardPathName, ...] = Field(
+        ("native", "cuda_graphs", "eager"),
+        description="how a step's forward pass may run, tried in order for each step (the "
+        "first that accepts it runs it; eager accepts any, so it ends the list). native: on "
+        "the CPU, up to eight decode rows as one C call (fp32, tensor_parallel_size 1, no "
+        "MoE). cuda_graphs: on CUDA, decode-only steps replayed as graphs captured at start "
+        "per batch size up to max_num_seqs (tensor_parallel_size 1, no MoE). compiled: "
+        "decode-only steps through torch.compile, compiled at start (about a minute the "
+        "first time on a small CPU; tensor_parallel_size 1). A path that cannot serve the "
+        "model or device logs why at start and is skipped",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="longest prompt + output; default: the model's, at most 8192"
+    )
+    max_num_seqs: int = Field(64, ge=1, description="requests running at once")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step (the budget)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    max_logprobs: int = Field(
+        20,
+        ge=-1,
+        description="most logprobs / prompt_logprobs a request may ask for (-1: the whole "
+        "vocabulary)",
+    )
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV pool size in bytes (alternative to num_kv_blocks)"
+    )
+    num_mamba_slots: int | None = Field(
+        None,
+        ge=1,
+        description="Mamba state slots, live + snapshots; default max_num_seqs, plus "
+        "max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
+    )
+    mamba_ssm_dtype: DType = Field("float32", description="dtype of the SSM state")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse cached prompt prefixes (KV blocks + Mamba snapshots)"
+    )
+    mamba_snapshot_interval: int = Field(
+        512, ge=0, description="snapshot the Mamba state every N prompt tokens (0 = off)"
+    )
+    mamba_save_last_snapshot: bool = Field(
+        True, description="snapshot at the prompt end (and a chat prompt's stable boundaries)"
+    )
+    mamba_snapshot_turn_end: bool = Field(
+        False,
+        description="when a request finishes, cache its prompt + output and a snapshot of the "
+        "state after them (the next turn of a conversation resumes there); it replaces a "
+        "prompt-end snapshot in the same block; the service turns it on for decode engines",
+    )
+    mamba_snapshot_offsets_from_start: tuple[int, ...] = Field(
+        (), description="extra snapshot positions counted from the prompt start"
+    )
+    mamba_snapshot_offsets_from_end: tuple[int, ...] = Field(
+        (), description="extra snapshot positions counted back from the prompt end"
+    )
+    enable_partial_reuse: bool = Field(
+        True, description="allow reuse up to a position inside a block"
+    )
+    host_cache_bytes: int = Field(
+        0, ge=0, description="host memory for evicted blocks and snapshots (0 = no host tier)"
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks (GPUs, or CPU processes) one engine spans; each holds a shard"
+    )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="MoE: partition the experts over the tensor-parallel ranks instead of "
+        "splitting every expert",
+    )
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None,
+        description="how ranks run: uni (in this process), mp (one process per rank), ray "
+        "(rank actors, inside the service); default uni at TP 1, mp above",
+    )
+    distributed_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="a rank that died or has not finished a step after this long ends every "
+        "running request with an error and stops the engine",
+    )
+    role: Literal["colocated", "prefill", "decode"] = Field(
+        "colocated",
+        description="prefill: stop after the first token and hand the request off; "
+        "decode: continue requests received from a prefill engine",
+    )
+    transfer_backend: Literal["tcp", "nixl"] = Field(
+        "tcp", description="how KV blocks and Mamba state move between engines"
+    )
+    transfer_streams: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="nixl: threads that post one transfer's regions in parallel, each on its "
+        "own UCX worker (the tcp backend has one stream)",
+    )
+    transfer_links_per_peer: int = Field(
+        8,
+        ge=1,
+        le=16,
+        description="prefill: links (a connection and a sender thread each) to each decode "
+        "engine, each carrying one transfer at a time: a transfer waits for the decode "
+        "engine's steps (to reserve its pages, to admit the request), and several links let "
+        "those waits overlap",
+    )
+    transfer_lease_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="prefill frees a handed-off request's blocks after this long "
+        "without an ack or abort",
+    )
+    transfer_secret: str | None = Field(
+        None,
+        repr=False,
+        description="hex; a disaggregated engine's transfer and shard links admit only peers "
+        "that prove they hold it (the service's Coordinator makes one per deployment)",
+    )
+    transfer_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="after a failed transfer, decode recomputes the prompt or "
+        "ends the request with an error",
+    )
+
+    @field_validator("forward_paths")
+    @classmethod
+    def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"forward_paths {list(paths)} names a path twice")
+        if not paths or paths[-1] != "eager":
+            raise ValueError(
+                f"forward_paths {list(paths)} must end with 'eager', the path that runs any "
+                "step (prompt chunks, mixed steps, and whatever the others do not take)"
+            )
+        return paths
+
+    @field_validator("transfer_secret")
+    @classmethod
+    def _check_secret(cls, secret: str | None) -> str | None:
+        if secret is None:
+            return None
+        try:
+            key = bytes.fromhex(secret)
+        except ValueError:
+            raise ValueError(
+                "transfer_secret must be hex (secrets.token_hex(32) makes one)"
+            ) from None
+        if len(key) < 16:
+            raise ValueError(f"transfer_secret has {len(key)} bytes; at least 16 are needed")
+        return secret
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("set num_kv_blocks or kv_cache_memory_bytes, not both")
+        if self.enable_prefix_caching:
+            if self.max_num_batched_tokens < self.block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                    f"block_size ({self.block_size}): with prefix caching, chunks cut by the "
+                    "budget are rounded down to whole blocks and could never progress; raise "
+                    "max_num_batched_tokens or disable enable_prefix_caching"
+                )
+            if not (
+                self.mamba_snapshot_interval
+                or self.mamba_save_last_snapshot
+                or self.mamba_snapshot_offsets_from_start
+                or self.mamba_snapshot_offsets_from_end
+            ):
+                raise ValueError(
+                    "prefix caching with no Mamba snapshot points would never reuse anything: "
+                    "set mamba_snapshot_interval > 0 or mamba_save_last_snapshot=True"
+                )
+        if self.num_mamba_slots is not None and self.num_mamba_slots < self.max_num_seqs:
+            raise ValueError(
+                f"num_mamba_slots ({self.num_mamba_slots}) is smaller than max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs a live slot; raise "
+                "num_mamba_slots or lower max_num_seqs"
+            )
+        self._check_parallelism()
+        return self
+
+    def _check_parallelism(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.executor_backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                f"{tp}: use 'mp' (one process per rank) or 'ray'"
+            )
+        if tp > 1 and self.role != "colocated" and self.executor_backend != "ray":
+            raise ValueError(
+                f"role={self.role!r} with tensor_parallel_size={tp}: each rank of a "
+                "disaggregated engine moves its own shards, which the service's rank actors "
+                "do (distributed_executor_backend='ray'); an engine in this process runs "
+                "role='colocated'"
+            )
+        if tp > 1 or self.enable_expert_parallel:
+            # NOTE: reads only config.json, so a shape the ranks cannot split is refused before
+            # any process starts.
+            from hybridserve.workers.executors.parallel import check_tensor_parallel
+            from hybridserve.workers.models.loader import read_model_config
+
+            check_tensor_parallel(read_model_config(self.model), tp, self.enable_expert_parallel)
+
+    @property
+    def executor_backend(self) -> Literal["uni", "mp", "ray"]:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    @property
+    def num_live_slots(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        if self.num_mamba_slots is not None:
+            return self.num_mamba_slots - self.max_num_seqs
+        return max(2 * self.max_num_seqs, 64) if self.enable_prefix_caching else 0

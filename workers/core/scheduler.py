@@ -1,0 +1,425 @@
+"""Scheduler: who runs this step and how many tokens each gets. No tensors here.
+
+Every step has a token budget (`max_num_batched_tokens`). Running requests go first, those with
+a single token left (decodes) ahead of unfinished prompt chunks, so decodes never wait behind a
+long prefill; then waiting requests are admitted in arrival order while the budget, the
+sequence limit and the cache allow. A chunk is whatever part of [num_computed, num_tokens) fits.
+
+When the KV pool runs dry for a running request, the most recently admitted request is
+preempted: its blocks and slot are freed and it goes back to the front of the queue to be
+recomputed from scratch (its tokens so far become its new "prompt" work; sampling is seeded
+by position, so it produces the same tokens again).
+
+Disaggregated requests stay here as states: a prefill engine's request that is handed off
+(its pages held for the transfer) and a decode engine's request whose state is still arriving
+sit in `transferring`, never scheduled and never preempted, until the scheduler's own
+transitions (`release_handoff`, `finish_receiving`, `fail_receiving`) move them on.
+
+The output of `schedule` carries a `StepPlan` (step_plan.py): the value every model runner
+executes, so nothing below the scheduler reads a `Request` or asks the cache anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridserve.workers.cache.coordinator import CacheCoordinator
+from hybridserve.workers.core.outputs import FinishReason, Sample, TokenLogprobs
+from hybridserve.workers.core.request import Request, RequestStatus
+from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan, mix_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the known tokens, so its last logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # What the model runners execute; built once scheduling is done.
+    plan: StepPlan = field(default_factory=StepPlan)
+    # New tokens over `scheduled`, kept by add / drop: the budget check reads it once per
+    # request, and summing the batch each time made a 256-request step quadratic.
+    num_tokens: int = 0
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens))
+        self.num_tokens += num_new_tokens
+
+    def drop(self, request: Request) -> None:
+        """Take `request` out of this step's batch, if it is in it."""
+        kept = [s for s in self.scheduled if s.request is not request]
+        if len(kept) != len(self.scheduled):
+            self.scheduled = kept
+            self.num_tokens = sum(s.num_new_tokens for s in kept)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: CacheCoordinator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        fork_on_sample: bool = True,
+    ) -> None:
+        self.cache = cache
+        # n > 1 choices fork where their first tokens are drawn; a prefill engine leaves that
+        # to the decode engine it hands the request to (fork_received).
+        self.fork_on_sample = fork_on_sample
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        # Handed off (prefill role) or receiving (decode role): holding pages for a transfer.
+        self.transferring: dict[str, Request] = {}
+        # Since start, for metrics and tests: preemptions, prompt tokens run through the model
+        # (recomputation included, reuse and received state not) and choices forked in place.
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_forks = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # The cache coordinator says where this pass's chunks must end, before every pass
+        # (docs/snapshot-reuse.md).
+        for request in (*self.running, *self.waiting):
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                request.expect_snapshot_points = self.cache.snapshot_points(request)
+        # 1. Running requests: decodes first, then unfinished chunks, each in admission order.
+        for request in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self.chunk_size(request, budget, request.num_computed_tokens)
+            if num_new and self._allocate_or_preempt(request, num_new, out):
+                out.add(request, num_new)
+        # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
+        #    is short). Each first looks up its reusable prefix and starts after it, or waits
+        #    while a running prompt is about to commit a deeper one on its path.
+        held: list[Request] = []
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self._still_waits(request):
+                held.append(self.waiting.popleft())
+                continue
+            reuse = self.cache.find_reuse(request)
+            if self._waits_for_prefix(request, reuse.num_tokens):
+                held.append(self.waiting.popleft())
+                continue
+            budget = self.max_num_batched_tokens - out.num_tokens
+            num_new = self.chunk_size(request, budget, reuse.num_tokens)
+            if num_new == 0 or self.cache.allocate(request, num_new, reuse) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.add(request, num_new)
+        self.waiting.extendleft(reversed(held))
+        out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
+        return out
+
+    def _waits_for_prefix(self, request: Request, num_reusable: int) -> bool:
+        """Whether `request` waits for a prompt in flight that shares at least one more block
+        with it to commit its snapshot there: computing those tokens again, in the same steps,
+        would cost as much as the prompt ahead spends on them. It waits at most until that
+        prompt passes the point, which it does within a few steps of its own (a preempted
+        one no longer counts as in flight), so nothing waits for ever."""
+        ahead = self.cache.reuse_in_flight(request, self.running)
+        if ahead is None or ahead.position < num_reusable + self.cache.block_size:
+            return False
+        request.prefix_wait = ahead
+        return True
+
+    def _still_waits(self, request: Request) -> bool:
+        """Whether the prompt `request` waits for is still running short of its point: then
+        nothing `request` could reuse has changed since the last step, and its lookup is not
+        repeated (many requests of one burst may wait on one prompt, step after step)."""
+        wait = request.prefix_wait
+        if wait is None:
+            return False
+        ahead = wait.request
+        if ahead.status is RequestStatus.RUNNING and ahead.num_computed_tokens < wait.position:
+            return True
+        request.prefix_wait = None
+        return False
+
+    def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
+        request = item.request
+        start = request.num_computed_tokens
+        end = start + item.num_new_tokens
+        request_id = request.request_id
+        scores = request.scores_prompt and start < request.num_prompt_tokens - 1
+        return ScheduledChunk(
+            request_id=request_id,
+            token_ids=request.token_ids[start:end],
+            start=start,
+            block_ids=list(self.cache.block_table(request_id)),
+            slot=self.cache.live_slot(request_id),
+            sampling=_sampling_row(request) if item.samples else None,
+            prompt_logprobs=request.sampling_params.prompt_logprobs if scores else None,
+            next_token_id=request.token_ids[end] if scores and end < request.num_tokens else None,
+        )
+
+    def chunk_size(self, request: Request, budget: int, position: int) -> int:
+        """Tokens to compute from `position` this step; 0 = not this step.
+
+        Without prefix caching: whatever fits. With it (FORCE_CHUNK): run to the next
+        snapshot point or to the end; only the budget may cut that short, and then the chunk is
+        rounded down to whole blocks. A chunk ending at a point or at the end is never rounded.
+        """
+        remaining = request.num_tokens - position
+        if not self.cache.enabled:
+            return min(remaining, budget)
+        points = request.expect_snapshot_points
+        if points is None:
+            raise RuntimeError(
+                f"FORCE_CHUNK requires expect_snapshot_points to be set before "
+                f"scheduling request {request.request_id}"
+            )
+        next_point = next((p for p in points if p > position), None)
+        chunk = (
+            remaining
+            if next_point is None
+            else max(0, min(next_point, request.num_prompt_tokens) - position)
+        )
+        chunk = min(chunk, budget)
+        end = position + chunk
+        if chunk < remaining and end < request.num_prompt_tokens and end not in points:
+            chunk = chunk // self.cache.block_size * self.cache.block_size
+        return chunk
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate for `request`, preempting newer requests until it fits. False if `request`
+        itself had to be preempted."""
+        while self.cache.allocate(request, num_new) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            # Decodes are scheduled out of admission order, so the victim may already be in
+            # this step's batch: take it out again (its blocks were just freed).
+            out.drop(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "request %s preempted (KV pool full); it will be recomputed", request.request_id
+        )
+
+    def update(self, out: SchedulerOutput, samples: list[Sample | None]) -> list[Request]:
+        """Advance cursors after the model ran; append sampled tokens (forking the choices of
+        n > 1 requests); return requests that changed visibly (got a token or finished), new
+        choices included."""
+        changed = []
+        for item, sample in zip(out.scheduled, samples, strict=True):
+            request = item.request
+            before = min(request.num_computed_tokens, request.num_prompt_tokens)
+            request.num_computed_tokens += item.num_new_tokens
+            after = min(request.num_computed_tokens, request.num_prompt_tokens)
+            self.num_prompt_tokens_computed += after - before
+            self.cache.commit(request)
+            if sample is None:
+                continue
+            logprobs = sample.logprobs or (None,) * len(sample.token_ids)
+            forks = list(zip(sample.token_ids[1:], logprobs[1:], strict=True))
+            if forks and self.fork_on_sample:
+                changed += self.fork(request, forks)
+            elif forks:
+                # Handed to the decode engine, which forks them and decides whether this
+                # first token ends the request (finish_receiving).
+                request.fork_token_ids = tuple(token for token, _ in forks)
+                request.fork_logprobs = tuple(lp for _, lp in forks)
+            self._append(
+                request,
+                sample.token_ids[0],
+                logprobs[0],
+                may_finish=not forks or self.fork_on_sample,
+            )
+            changed.append(request)
+        return changed
+
+    def _append(
+        self,
+        request: Request,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        *,
+        may_finish: bool = True,
+    ) -> None:
+        """A new output token; finish the request if it ends it."""
+        request.token_ids.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        if may_finish:
+            self._finish_if_done(request)
+
+    def _finish_if_done(self, request: Request) -> None:
+        reason = self._finish_reason(request, request.token_ids[-1])
+        if reason is not None:
+            self.finish(request, reason)
+
+    def fork(
+        self, request: Request, firsts: list[tuple[int, TokenLogprobs | None]]
+    ) -> list[Request]:
+        """The other choices of `request`, each continuing from its state after the prompt
+        with its own first token (drawn from the prompt's last row with its own seed). A choice
+        the pools cannot hold now waits to be recomputed, like a preempted request."""
+        choices = []
+        for index, (token, logprobs) in enumerate(firsts, start=1):
+            choice = request.new_choice(index)
+            if self.cache.fork(request, choice):
+                self.num_forks += 1
+                choice.status = RequestStatus.RUNNING
+                choice.num_computed_tokens = request.num_computed_tokens
+                self.running.append(choice)
+            else:
+                logger.info(
+                    "request %s: choice %d waits for room (recomputed)", request.request_id, index
+                )
+                self.waiting.appendleft(choice)
+            self._append(choice, token, logprobs)
+            choices.append(choice)
+        return choices
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+            return "stop"
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request from wherever it is and release everything it holds."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.transferring.pop(request.request_id, None)
+        if reason in ("stop", "length"):
+            self.cache.commit_turn_end(request)
+        self.cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # ---- disaggregation: the transfer states ------------------------------------------------
+
+    def hand_off(self, request: Request) -> None:
+        """Prefill role: a request that just sampled its first token leaves the running set
+        but keeps its blocks and live slot (now holding the state after the whole prompt)
+        for the transfer, until `release_handoff`."""
+        assert request.status is RequestStatus.RUNNING
+        self.running.remove(request)
+        request.status = RequestStatus.HANDED_OFF
+        self.transferring[request.request_id] = request
+
+    def release_handoff(self, request: Request) -> None:
+        """The transfer is over (ack, abort or lease expiry): free the handoff's pages."""
+        del self.transferring[request.request_id]
+        self.cache.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def start_receiving(self, request: Request) -> None:
+        """Decode role: a request whose pages the cache coordinator just reserved; its state
+        is arriving, so it is not scheduled until `finish_receiving`."""
+        request.status = RequestStatus.RECEIVING
+        self.transferring[request.request_id] = request
+
+    def finish_receiving(self, request: Request) -> list[Request]:
+        """The state after the prompt has fully arrived: the request continues from there,
+        and the choices its prefill engine drew fork from it here. Returns those choices."""
+        del self.transferring[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.expect_snapshot_points = self.cache.snapshot_points(request)
+        self.cache.commit(request)  # the received prompt becomes reusable here too
+        self.running.append(request)
+        forks = list(zip(request.fork_token_ids, request.fork_logprobs, strict=True))
+        request.fork_token_ids, request.fork_logprobs = (), ()
+        choices = self.fork(request, forks) if forks else []
+        # The prefill engine sampled the first token; its grammar state starts after it here
+        # (taken after the forks, which start from the state before it).
+        if request.grammar is not None:
+            request.grammar.accept(request.token_ids[-1])
+        if forks:
+            self._finish_if_done(request)  # the prefill engine left that to this engine
+        return choices
+
+    def fail_receiving(self, request: Request, *, recompute: bool, error: str) -> None:
+        """The transfer failed (its pages, if it had any here, went to a quarantine): recompute
+        the request here from scratch, or end it with `error`."""
+        self.transferring.pop(request.request_id, None)
+        if recompute:
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+        else:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "error"
+            request.error = error
+
+
+def _sampling_row(request: Request) -> SamplingRow:
+    params = request.sampling_params
+    position = request.num_output_tokens
+    banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
+    # The first draw of an n > 1 request also draws its other choices' first tokens.
+    seeds = (mix_seed(request.sample_seed, position),)
+    if position == 0 and request.choice_seeds:
+        seeds += tuple(mix_seed(seed, position) for seed in request.choice_seeds)
+    penalised = params.uses_penalties
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seeds=seeds,
+        min_p=params.min_p,
+        banned_token_ids=banned,
+        logit_bias=params.logit_bias,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        output_token_ids=tuple(request.output_token_ids) if penalised else (),
+        prompt_token_ids=(
+            tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
+        ),
+        allowed_token_bitmask=None if request.grammar is None else request.grammar.bitmask(),
+        num_logprobs=params.logprobs,
+    )

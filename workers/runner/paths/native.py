@@ -1,0 +1,281 @@
+"""The native path: small decode steps on the CPU as one C call (csrc/decode_step.c).
+
+It accepts a step of up to MAX_ROWS (8) decode rows (as many requests generating); the call
+returns their logits, the LM head included, and each row's argmax (the greedy token: a step
+of plain greedy rows needs no sampler). Every other step goes to the next path. The C kernel
+gets the model once, as a table of weight pointers and sizes built from the loaded modules,
+and the pools' addresses and strides; a step passes each row's token, context length, block
+table and Mamba slot.
+
+It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
+attention (with or without RoPE) and dense MLPs; `unsupported` and `prepare` say why not
+otherwise (MoE layers, say). The tests compare it with the
+model's eager step on the same states (tests/workers/runner/paths/test_native.py), and every
+engine test that decodes up to eight requests at a time runs it against transformers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridserve.kernels.cpu import decode_step as cpu_decode_step
+from hybridserve.kernels.cpu.decode_step import Layer, Linear, Model, Step
+from hybridserve.kernels.cpu.gemm import GEMV_ROWS
+from hybridserve.kernels.dispatch import BACKEND_ENV, cpu_kernel
+from hybridserve.workers.core.step_plan import ScheduledChunk
+from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.mamba_mixer import MambaMixer
+from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.models.hybrid import HybridForCausalLM
+from hybridserve.workers.runner.forward_batch import StateCaches
+from hybridserve.workers.runner.model_runner import RunnerOutput
+from hybridserve.workers.runner.paths.base import ForwardPath
+from hybridserve.workers.runner.sampler import greedy_samples, is_plain_greedy
+
+logger = logging.getLogger(__name__)
+
+# Decode rows a native step takes: up to the C mat-vec's (beyond them oneDNN's packed GEMM, in
+# the compiled or eager step, catches up with it).
+MAX_ROWS = GEMV_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStep:
+    """A native step's result, one row per decode row."""
+
+    logits: torch.Tensor  # float32 (rows, vocab), as `compute_logits` gives them
+    greedy_token_ids: list[int]  # each row's argmax, as torch.argmax picks it
+
+
+class Unsupported(Exception):
+    """Why the native step does not apply to a model or its pools."""
+
+
+class NativePath(ForwardPath):
+    name = "native"
+
+    def unsupported(self) -> str | None:
+        runner = self.runner
+        if runner.device.type != "cpu":
+            return f"not on the CPU ({runner.device})"
+        if runner.parallel.tp_size != 1:
+            return f"tensor_parallel_size {runner.parallel.tp_size}"
+        if not isinstance(runner.model, HybridForCausalLM):
+            return f"{type(runner.model).__name__} is not a hybrid model"
+        if _decode_step_kernel() is None:
+            return f"the C kernel did not build (no compiler, or {BACKEND_ENV})"
+        return None
+
+    def prepare(self) -> str | None:
+        try:
+            self._describe(self.runner.model, self.runner.caches)
+        except Unsupported as reason:
+            return str(reason)
+        return None
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        return len(chunks) <= MAX_ROWS and all(c.is_decode for c in chunks)
+
+    def run(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
+        """No batch tensors: the forward, the LM head and each row's argmax are one C call.
+        Rows of plain greedy decoding (the usual case) take that argmax as their token.
+        Whether they all are is settled before the call: after it, the interpreter runs from
+        caches that the step's weights have just flushed, several times slower, so it builds
+        their samples and nothing else."""
+        if all(
+            c.sampling is not None and c.prompt_logprobs is None and is_plain_greedy(c.sampling)
+            for c in chunks
+        ):
+            return RunnerOutput(greedy_samples(self.step(chunks).greedy_token_ids))
+        logits = self.step(chunks).logits
+        rows = range(len(chunks))
+        return self.runner.sample(chunks, list(rows), logits, [(row, row) for row in rows])
+
+    def _describe(self, model: HybridForCausalLM, caches: StateCaches) -> None:
+        """The model's and the pools' table for the C side; raises `Unsupported` (with the
+        reason) where the kernel does not apply."""
+        # The C side holds raw addresses of the weights and pools: both are kept, and both are
+        # fixed once loaded and allocated.
+        self.kernel = _decode_step_kernel()
+        self._keep: list[torch.Tensor] = []  # tensors made here whose addresses the C side holds
+        config = model.config
+        self.vocab_size = model.lm_head_weight.shape[0]  # at tensor_parallel_size 1, unpadded
+        layers = [self._layer(sublayer) for sublayer in model.layers]
+        self._layers = (Layer * len(layers))(*layers)
+        projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
+        mixed = max((_mixed_size(sublayer.op) for sublayer in model.layers), default=1)
+        sizes = (config.hidden_size, config.hidden_size, projected, mixed)
+        scratch = [self._scratch(MAX_ROWS * size) for size in sizes]
+        self.model_table = Model(
+            num_layers=len(layers),
+            hidden_size=config.hidden_size,
+            layers=self._layers,
+            embed=self._pointer(model.embed.weight),
+            final_norm=self._pointer(model.final_norm.weight),
+            lm_head=self._linear(model.lm_head_weight, None),
+            embedding_multiplier=config.embedding_multiplier,
+            residual_multiplier=config.residual_multiplier,
+            norm_eps=config.norm_eps,
+            logits_divisor=config.logits_divisor,
+            **_pool_fields(caches),
+            hidden=scratch[0],
+            normed=scratch[1],
+            projected=scratch[2],
+            mixed=scratch[3],
+            projected_size=projected,
+            mixed_size=mixed,
+        )
+        self._model_pointer = ctypes.pointer(self.model_table)
+        # A step's inputs, in buffers kept from step to step that the step's table points at
+        # (building them anew cost ~0.1 ms a step); the block tables' buffer grows with the
+        # longest table.
+        self._tokens, self._seq_lens, self._slots = (np.zeros(MAX_ROWS, np.int64) for _ in range(3))
+        self._tables = np.zeros((MAX_ROWS, 0), dtype=np.int64)
+        self._step = Step(0, self._seq_lens.ctypes.data, None, 0, self._slots.ctypes.data)
+        self._step_pointer = ctypes.pointer(self._step)
+        self._tokens_address = self._tokens.ctypes.data
+        self._greedy = np.zeros(MAX_ROWS, np.int64)
+        self._greedy_address = self._greedy.ctypes.data
+        self.num_steps = self.num_rows = 0  # steps run here, and their decode rows
+
+    def step(self, chunks: list[ScheduledChunk]) -> NativeStep:
+        """The logits of up to MAX_ROWS decode rows, in order, and their greedy tokens; their
+        states and KV slots are written as the model's step writes them."""
+        rows = len(chunks)
+        if not (1 <= rows <= MAX_ROWS and all(c.is_decode for c in chunks)):
+            # The scratch holds MAX_ROWS rows: more would write past it.
+            raise ValueError(f"a native step takes 1 to {MAX_ROWS} decode rows, not {rows}")
+        width = max(len(c.block_ids) for c in chunks)
+        if width > self._tables.shape[1]:
+            self._tables = np.zeros((MAX_ROWS, 2 * width), dtype=np.int64)
+            self._step.tables, self._step.width = self._tables.ctypes.data, 2 * width
+        for r, chunk in enumerate(chunks):
+            # A table's entries past its own length are stale: the kernel reads a row's
+            # blocks up to its context only.
+            self._tables[r, : len(chunk.block_ids)] = chunk.block_ids
+            self._seq_lens[r], self._slots[r] = chunk.end, chunk.slot
+            self._tokens[r] = chunk.token_ids[0]
+        self._step.rows = rows
+        logits = torch.empty((rows, self.vocab_size), dtype=torch.float32)
+        self.num_steps += 1
+        self.num_rows += rows
+        self.kernel(
+            self._model_pointer,
+            self._step_pointer,
+            self._tokens_address,
+            logits.data_ptr(),
+            self._greedy_address,
+        )
+        return NativeStep(logits, self._greedy[:rows].tolist())
+
+    # ---- the model's table ------------------------------------------------------------------
+
+    def _pointer(self, tensor: torch.Tensor | None) -> ctypes._Pointer | None:
+        """A float pointer to `tensor` (None for None); the tensor must outlive this object."""
+        if tensor is None:
+            return None
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            raise Unsupported(f"a {tensor.dtype} tensor on {tensor.device} (fp32 on the CPU only)")
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+            self._keep.append(tensor)
+        return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctypes.c_float))
+
+    def _scratch(self, size: int) -> ctypes._Pointer:
+        buffer = torch.empty(size, dtype=torch.float32)
+        self._keep.append(buffer)
+        return self._pointer(buffer)
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        rows, cols = weight.shape
+        return Linear(self._pointer(weight), self._pointer(bias), rows, cols)
+
+    def _layer(self, sublayer: nn.Module) -> Layer:
+        op = sublayer.op
+        layer = Layer(cache_index=sublayer.cache_index, norm=self._pointer(sublayer.norm.weight))
+        if isinstance(op, MambaMixer):
+            spec = op.spec
+            A = -torch.exp(op.A_log.float())  # as the model's step computes it
+            self._keep.append(A)
+            layer.kind = cpu_decode_step.KIND_MAMBA
+            layer.in_[0] = self._linear(op.in_proj.weight, op.in_proj.bias)
+            layer.out = self._linear(op.out_proj.weight, op.out_proj.bias)
+            layer.conv_weight = self._pointer(op.conv_weight)
+            layer.conv_bias = self._pointer(op.conv_bias)
+            layer.dt_bias, layer.A, layer.D = (self._pointer(t) for t in (op.dt_bias, A, op.D))
+            layer.gate_norm = self._pointer(op.norm_weight)
+            layer.heads, layer.head_dim, layer.groups = op.num_heads, spec.head_dim, op.n_groups
+            layer.state_size, layer.conv_kernel = spec.state_size, spec.conv_kernel
+            layer.conv_silu = spec.activation == "silu"  # as the conv kernels read it
+            layer.gate_eps, layer.dt_min, layer.dt_max = spec.norm_eps, spec.dt_min, spec.dt_max
+        elif isinstance(op, Attention):
+            layer.kind = cpu_decode_step.KIND_ATTENTION
+            for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
+                layer.in_[i] = self._linear(proj.weight, proj.bias)
+            layer.out = self._linear(op.o_proj.weight, op.o_proj.bias)
+            layer.q_heads, layer.kv_heads = op.num_heads, op.num_kv_heads
+            layer.attention_head_dim, layer.scale = op.head_dim, op.scale
+            if op.rope is not None:
+                layer.cos, layer.sin = (
+                    self._pointer(t) for t in (op.rope.cos_cache, op.rope.sin_cache)
+                )
+                layer.rotary_dim = op.rope.rotary_dim
+        elif isinstance(op, MLP):
+            layer.kind = cpu_decode_step.KIND_MLP
+            up = op.gate_up_proj if op.gated else op.up_proj
+            layer.in_[0] = self._linear(up.weight, up.bias)
+            layer.out = self._linear(op.down_proj.weight, op.down_proj.bias)
+            layer.gated = op.gated
+            layer.activation = cpu_decode_step.ACTIVATIONS[op.activation]
+        else:
+            raise Unsupported(f"{type(op).__name__} layers")
+        return layer
+
+
+def _decode_step_kernel() -> ctypes._CFuncPtr | None:
+    """The C step, through the dispatch table; None where it does not build (or the
+    reference backend is forced)."""
+    binding = cpu_kernel("decode_step")
+    return binding() if binding is not None else None
+
+
+def _mixed_size(op: nn.Module) -> int:
+    """Floats of the mixer's inner values (kernels/cpu/csrc/decode_step.c: `mixed`)."""
+    if isinstance(op, MambaMixer):
+        return 2 * op.intermediate + 2 * op.group_state  # x B C convolved | y
+    if isinstance(op, Attention):
+        return op.num_heads * op.head_dim
+    if isinstance(op, MLP):
+        return op.down_proj.weight.shape[1]
+    return 1
+
+
+def _pool_fields(caches: StateCaches) -> dict[str, object]:
+    """The pools' addresses and strides (in floats) as the kernel reads them; each (slot,
+    layer) state and each block's (Hkv, block_size, D) must be contiguous fp32 on the CPU."""
+    fields: dict[str, object] = {}
+    float_p = ctypes.POINTER(ctypes.c_float)
+    for name, pool in (("conv", caches.conv), ("ssm", caches.ssm), ("kv", caches.kv)):
+        if pool is None:
+            continue
+        if pool.device.type != "cpu" or pool.dtype != torch.float32:
+            raise Unsupported(f"the {name} pool is {pool.dtype} on {pool.device}")
+        inner = pool[0, 0, 0] if name == "kv" else pool[0, 0]
+        if not inner.is_contiguous():
+            raise Unsupported(f"the {name} pool's states are not contiguous")
+        fields[f"{name}_pool"] = ctypes.cast(pool.data_ptr(), float_p)
+    if caches.conv is not None:
+        fields["conv_slot_stride"], fields["conv_layer_stride"] = caches.conv.stride()[:2]
+    if caches.ssm is not None:
+        fields["ssm_slot_stride"], fields["ssm_layer_stride"] = caches.ssm.stride()[:2]
+    if caches.kv is not None:
+        kv = caches.kv
+        fields["kv_block_stride"], fields["kv_layer_stride"] = kv.stride()[:2]
+        fields["kv_value_offset"], fields["block_size"] = kv.stride(2), kv.shape[4]
+    return fields
