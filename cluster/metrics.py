@@ -80,6 +80,7 @@ class EngineStats(BaseModel):
     handoffs_held: int = Field(0, ge=0, description="prefill requests held for a transfer")
     # Cumulative totals.
     num_preemptions: int = Field(0, ge=0)
+    num_requests_aborted: int = Field(0, ge=0, description="live requests aborted")
     snapshot_hits: int = Field(0, ge=0, description="Mamba snapshots found for a prefix hit")
     snapshot_misses: int = Field(0, ge=0, description="prefix lookups with no usable snapshot")
     reused_tokens: int = Field(0, ge=0, description="prompt tokens not recomputed")
@@ -103,6 +104,8 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted by the scheduler.",
+    "num_requests_aborted": "Live requests aborted on the engine (their client left, a stop "
+    "string ended them, or an abort call).",
     "snapshot_hits": "Prefix hits that found a Mamba state snapshot.",
     "snapshot_misses": "Prefix lookups that found no usable Mamba state snapshot.",
     "reused_tokens": "Prompt tokens reused instead of recomputed.",

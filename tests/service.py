@@ -152,6 +152,14 @@ def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]
 IN_USE = ("kv_blocks_in_use", "mamba_slots_in_use", "transfers_in_flight", "handoffs_held")
 
 
+def num_aborted(service: Service) -> int:
+    """Live requests the service's engines have aborted so far (their stats' counter)."""
+    engines = service.engines()
+    return sum(
+        s["num_requests_aborted"] for s in ray.get([h.stats.remote() for h in engines.values()])
+    )
+
+
 def assert_at_baseline(service: Service) -> None:
     """Nothing running or held on any engine: pools recounted and free, and the leak
     metrics (what /metrics exports) at 0."""

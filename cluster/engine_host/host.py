@@ -206,6 +206,7 @@ class EngineHost:
                 "num_preemptions": scheduler.num_preemptions,
                 "num_prompt_tokens_computed": scheduler.num_prompt_tokens_computed,
                 "num_forks": scheduler.num_forks,
+                "num_requests_aborted": self.engine.num_requests_aborted,
                 "snapshot_hits": cache.stats.hits,
                 "snapshot_misses": cache.stats.misses,
                 "reused_tokens": cache.stats.reused_tokens,

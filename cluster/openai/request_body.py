@@ -1,8 +1,8 @@
 """Reading an OpenAI request body before its fields are parsed: the JSON itself, and the
 parameters that are known but not supported.
 
-The rule (README, "OpenAI API parameters"): every parameter the API accepts takes effect, and
-a known OpenAI or vLLM parameter that does not is refused with a 400 naming it, unless it
+The rule (docs/serving.md, "OpenAI API parameters"): every parameter the API accepts takes effect,
+and a known OpenAI or vLLM parameter that does not is refused with a 400 naming it, unless it
 carries its default value. Unknown extra fields are ignored, as OpenAI and vLLM do.
 
 A hostile body fails here with a 400, never deeper: JSON nested past `MAX_DEPTH`, the
@@ -43,6 +43,20 @@ _REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((None, False), "stored completions are not supported"),
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
+    # Structured output under today's names (vLLM's `structured_outputs`, SGLang's) is not
+    # read yet: use response_format or guided_json / guided_regex / guided_choice /
+    # guided_grammar, which are.
+    "structured_outputs": (
+        (None,),
+        "structured_outputs is not supported yet; use "
+        "response_format or guided_json / guided_regex / guided_choice",
+    ),
+    "regex": ((None,), "regex is not supported; use guided_regex"),
+    "ebnf": ((None,), "ebnf grammars are not supported; use guided_grammar (Lark)"),
+    "json_schema": ((None,), "json_schema is not supported; use response_format"),
+    # Reasoning parsers are not in yet: the model's output is all content.
+    "thinking_token_budget": ((None,), "reasoning budgets are not supported"),
+    "include_reasoning": ((None, False), "reasoning output is not separated from the content"),
 }
 _REFUSED_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported by these models"),

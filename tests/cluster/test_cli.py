@@ -7,12 +7,16 @@ import json
 import pytest
 
 from hybridserve.cluster.cli import main
+from hybridserve.workers import LLM, SamplingParams
 
 
 def test_generate_prints_text(capsys):
+    """The text of the offline engine's output for the same prompt and parameters (sampled
+    with the engine's default seed: the same request id draws the same tokens)."""
     assert main(["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "16"]) == 0
-    text = capsys.readouterr().out
-    assert text.strip()
+    (expected,) = LLM("tiny").generate(["hello"], SamplingParams(max_tokens=16))
+    assert expected.text.strip()
+    assert capsys.readouterr().out == expected.text + "\n"
 
 
 def test_generate_json_and_config_file(tmp_path, capsys):

@@ -60,6 +60,7 @@ from tests.service import (
     Service,
     beside,
     client,
+    num_aborted,
     offline_tokens,
 )
 
@@ -167,6 +168,7 @@ def test_a_disconnect_right_after_the_first_token_aborts_the_request_everywhere(
     """A client that leaves as soon as its first token has arrived (the prefill engine's,
     delivered once the decode engine has taken the request over): the request stops on
     every engine, nothing is held, and the service answers correctly afterwards."""
+    before = num_aborted(service)
     with httpx.stream(
         "POST",
         f"{service.base_url}/v1/completions",
@@ -177,6 +179,9 @@ def test_a_disconnect_right_after_the_first_token_aborts_the_request_everywhere(
         first = next(line for line in response.iter_lines() if line)
     assert first.startswith("data: {")
     assert_nothing_held(service)
+    # Aborted where it ran (the decode engine took it over before the first token came),
+    # not left to finish its 700 tokens.
+    assert num_aborted(service) > before
     assert_probe_served(service, probe_tokens)
 
 

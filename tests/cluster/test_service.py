@@ -27,6 +27,7 @@ from tests.service import (
     Service,
     assert_at_baseline,
     client,
+    num_aborted,
     offline_tokens,
 )
 
@@ -164,6 +165,12 @@ def test_chat_second_turn_reuses_at_least_the_first_turn(service):
     stable_len = LLM("tiny").tokenizer.render_chat(first_messages).stable_len
     assert stable_len is not None
     assert second.usage.prompt_tokens_details.cached_tokens >= stable_len
+    # Reuse changes nothing in the answers: a run without it gives the same.
+    no_reuse = LLM("tiny", **{**ENGINE, "enable_prefix_caching": False})
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    for messages, reply in ((first_messages, first), (follow_up, second)):
+        (expected,) = no_reuse.chat(messages, greedy)
+        assert reply.choices[0].message.content == expected.text
     assert_at_baseline(service)
 
 
@@ -261,6 +268,7 @@ def test_bad_requests_get_an_openai_error_and_the_service_keeps_serving(
     assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
     ok = client(service).completions.create(model="tiny", prompt="ok", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+    assert_at_baseline(service)
 
 
 def test_an_oversized_body_is_413(service):
@@ -273,6 +281,9 @@ def test_an_oversized_body_is_413(service):
 
 
 def test_a_client_disconnect_aborts_the_request_everywhere(service):
+    """The request is aborted on the engine running it, not left to finish its 600 tokens
+    (which would also leave the pools at baseline once done)."""
+    before = num_aborted(service)
     with httpx.stream(
         "POST",
         f"{service.base_url}/v1/completions",
@@ -284,6 +295,7 @@ def test_a_client_disconnect_aborts_the_request_everywhere(service):
         received = [next(lines) for _ in range(6)]
     assert any(line.startswith("data: {") for line in received)
     assert_at_baseline(service)  # nothing left running or held on any engine
+    assert num_aborted(service) > before
 
 
 def test_metrics_expose_request_and_hybrid_counters(service):

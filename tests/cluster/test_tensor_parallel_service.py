@@ -100,26 +100,32 @@ def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
 
 
 def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_serving(
-    tp_service,
+    tp_service, offline
 ):
-    """Runs last in this module: it kills a rank of one engine, which is restarted."""
-    errors: list[str] = []
-    finished: list[str] = []
+    """Runs last in this module: it kills a rank of one engine, which is restarted. Every
+    stream ends: those on the victim with the rank's error, the others with the offline
+    engine's tokens."""
+    errors: dict[int, str] = {}
+    finished: dict[int, list[int]] = {}
+    prompts = [f"{PROMPT} ({index})" for index in range(4)]
 
     def consume(index: int) -> None:
+        tokens: list[int] = []
         try:
             stream = client(tp_service).completions.create(
                 model="tiny",
-                prompt=f"{PROMPT} ({index})",
+                prompt=prompts[index],
                 max_tokens=600,
+                temperature=0,
                 stream=True,
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, "return_token_ids": True},
             )
-            for _ in stream:
-                pass
-            finished.append(str(index))
+            for chunk in stream:
+                for choice in chunk.choices:
+                    tokens += choice.model_extra.get("token_ids") or []
+            finished[index] = tokens
         except openai.APIError as exc:
-            errors.append(str(exc))
+            errors[index] = str(exc)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
     for thread in threads:
@@ -134,7 +140,14 @@ def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_se
     ray.kill(rank_actor)
     for thread in threads:
         thread.join(timeout=120)
-    assert errors and all("tensor-parallel rank 1 died" in e for e in errors), errors
+    assert not any(thread.is_alive() for thread in threads), "a stream never ended"
+    assert sorted([*errors, *finished]) == [0, 1, 2, 3]
+    assert errors and all("tensor-parallel rank 1 died" in e for e in errors.values()), errors
+    for index, tokens in finished.items():
+        expected = offline_tokens(
+            offline, prompts[index], max_tokens=600, temperature=0, ignore_eos=True
+        )
+        assert tokens == expected, index
     # The engine is dropped (its index entries and its placement group go) and restarted: a
     # new incarnation with two new ranks in a new placement group.
     deadline = time.monotonic() + 90
@@ -146,7 +159,13 @@ def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_se
     restarted = tp_service.engines()[victim]
     assert len(ray.get(restarted.rank_actors.remote())) == 1
     probe = client(tp_service).completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    assert probe.choices[0].finish_reason == "length"
+    assert probe.choices[0].model_extra["token_ids"] == offline_tokens(
+        offline, PROMPT, max_tokens=3, temperature=0, ignore_eos=True
+    )
     assert_at_baseline(tp_service)

@@ -27,6 +27,7 @@ import yaml
 
 from hybridserve.cluster.config import API_KEYS_ENV
 from hybridserve.cluster.control.local import free_port
+from hybridserve.workers import LLM, SamplingParams
 from tests.manifests.objects import (
     MANIFESTS,
     containers,
@@ -178,14 +179,21 @@ def test_the_local_rayservice_serve_config_deploys_and_answers_the_openai_client
     try:
         wait_for_application(head, app["name"])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key)
+        messages = [{"role": "user", "content": "Hello from the manifest."}]
         answer = client.chat.completions.create(
             model="tiny",
-            messages=[{"role": "user", "content": "Hello from the manifest."}],
+            messages=messages,
             max_tokens=8,
             temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
         )
         assert answer.choices[0].finish_reason == "length"
-        assert answer.usage.completion_tokens == 8
+        # The tokens of the offline engine with the application's engine arguments.
+        args = app["args"]
+        offline = LLM(args["model"], **args.get("engine", {}))
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        (expected,) = offline.chat(messages, greedy)
+        assert answer.choices[0].model_extra["token_ids"] == expected.token_ids
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="not-the-secret"

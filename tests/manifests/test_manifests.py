@@ -73,6 +73,10 @@ def of_kind(*kinds: str) -> list[str]:
     return [name for name, doc in DOCS.items() if doc["kind"] in kinds]
 
 
+# The manifests that run pods (the volume claims and the Secret run none).
+WITH_PODS = [name for name in IDS if any(True for _ in pod_specs(DOCS[name]))]
+
+
 # ---- schemas ----------------------------------------------------------------------------
 
 
@@ -404,8 +408,9 @@ def our_version() -> str:
     return importlib.metadata.version("hybridserve")
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", WITH_PODS)
 def test_images_are_pinned_and_every_container_requests_resources(name):
+    assert list(containers(DOCS[name]))
     for where, container in containers(DOCS[name]):
         image = container["image"]
         repository, _, tag = image.rpartition(":")
@@ -429,15 +434,16 @@ def test_the_containerfile_builds_on_the_pinned_ray_image_with_setup_sh():
     assert "./setup.sh" in text and "latest" not in text
 
 
-@pytest.mark.parametrize("name", workload_names())
+def workload_model(name: str) -> str:
+    document = DOCS[name]
+    if document["kind"] == "RayService":
+        return service_apps(document)[0]["args"]["model"]
+    return build_parser().parse_args(entrypoint_argv(document)[1:]).model
+
+
+@pytest.mark.parametrize("name", [n for n in workload_names() if not n.startswith("local/")])
 def test_models_come_from_the_read_only_volume_on_every_ray_pod(name):
-    model = (
-        service_apps(DOCS[name])[0]["args"]["model"]
-        if DOCS[name]["kind"] == "RayService"
-        else build_parser().parse_args(entrypoint_argv(DOCS[name])[1:]).model
-    )
-    if model == "tiny":
-        return
+    model = workload_model(name)
     assert model.startswith(f"{MODELS_MOUNT}/") and Path(model).name in MODEL_FAMILIES
     claims = {
         v["name"]: v["persistentVolumeClaim"]["claimName"]
@@ -451,9 +457,20 @@ def test_models_come_from_the_read_only_volume_on_every_ray_pod(name):
         assert claims[mounts[MODELS_MOUNT]["name"]] == DOCS["pvc-models.yaml"]["metadata"]["name"]
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", [n for n in workload_names() if n.startswith("local/")])
+def test_the_local_workloads_run_the_built_in_model_and_mount_no_models_volume(name):
+    """The CPU variants run where no volume of checkpoints exists (tests/manifests/
+    test_local.py runs them)."""
+    assert workload_model(name) == "tiny"
+    for pod in ray_pods(DOCS[name]):
+        mounts = [m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])]
+        assert MODELS_MOUNT not in mounts
+
+
+@pytest.mark.parametrize("name", WITH_PODS)
 def test_volumes_and_secrets_refer_to_objects_the_manifests_define(name):
     defined = {(d["kind"], d["metadata"]["name"]): d for d in DOCS.values()}
+    assert list(pod_specs(DOCS[name]))
     for where, pod in pod_specs(DOCS[name]):
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for volume in volumes.values():

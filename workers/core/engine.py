@@ -107,6 +107,7 @@ class Engine:
         self.layout = self.layouts[0]
         # Live requests by id: queued, running, handed off or receiving.
         self.requests: dict[str, Request] = {}
+        self.num_requests_aborted = 0  # live requests (choices included) `abort` stopped
         compatibility = self.layout.compatibility_hash()
         self.prefill_port = (
             PrefillPort(
@@ -280,6 +281,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_requests_aborted += 1
         if request.status is RequestStatus.HANDED_OFF and self.prefill_port is not None:
             # Its pages go now, or after the send that still reads them.
             self.prefill_port.release(request_id, "aborted")

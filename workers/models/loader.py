@@ -8,7 +8,6 @@ A checkpoint is a folder with `config.json`, `*.safetensors` and usually `tokeni
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,6 @@ from hybridserve.workers.models.config import (
 )
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.registry import get_adapter
-
-logger = logging.getLogger(__name__)
 
 
 class TensorSource(Protocol):
@@ -99,8 +96,7 @@ class Checkpoint:
     config: HybridModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        self.adapter = get_adapter(self.raw_config.get("model_type"), self.config_file)
-        self.config = self.adapter.parse_config(ConfigReader(self.raw_config, self.config_file))
+        self.adapter, self.config = _parse_config(self.raw_config, self.config_file)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -145,8 +141,30 @@ def read_model_config(model: str) -> HybridModelConfig:
     """Only the model description of `model` ("tiny" or a checkpoint folder): no weights, no
     tokenizer (cheap enough for config validation)."""
     raw, config_file = _raw_config(model)
+    return _parse_config(raw, config_file)[1]
+
+
+def _parse_config(
+    raw: dict[str, Any], config_file: str
+) -> tuple[ArchitectureAdapter, HybridModelConfig]:
+    """The adapter of the checkpoint's format and the model it describes; a quantized
+    checkpoint is refused first: its weights would load as the wrong numbers."""
+    for field_name in ("quantization_config", "compression_config"):
+        quantization = raw.get(field_name)
+        if quantization is not None:
+            method = (
+                quantization.get("quant_method") or quantization.get("format") or "unnamed"
+                if isinstance(quantization, dict)
+                else quantization
+            )
+            raise ConfigError(
+                config_file,
+                field_name,
+                f"quantization method {method!r} is not supported: only unquantized "
+                "checkpoints load (float32, bfloat16, float16 weights)",
+            )
     adapter = get_adapter(raw.get("model_type"), config_file)
-    return adapter.parse_config(ConfigReader(raw, config_file))
+    return adapter, adapter.parse_config(ConfigReader(raw, config_file))
 
 
 def _raw_config(model: str) -> tuple[dict[str, Any], str]:
@@ -201,11 +219,16 @@ def load_model(
     ignored = checkpoint.adapter.ignored_keys
     unused = sorted(k for k in available - used if ignored is None or not ignored.search(k))
     if unused:
-        logger.warning(
-            "%s: %d checkpoint tensors are not used by the model, e.g. %s",
-            checkpoint.name,
-            len(unused),
-            ", ".join(unused[:3]),
+        # NOTE: a tensor the model does not read means a layout it does not know (scales of
+        # a quantized checkpoint, another architecture's layers): loading on would answer
+        # with wrong tokens. Names a family knowingly skips (its `ignored_keys`) are fine.
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise WeightError(
+            source.file_of(unused[0]),
+            unused[0],
+            f"the model does not use {len(unused)} of the checkpoint's tensors ({shown}): "
+            "a layout this model does not know (a quantized checkpoint, another "
+            "architecture) would load as wrong weights",
         )
     return model
 

@@ -28,6 +28,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Prompts of 1..90 tokens in 24-token chunks with snapshots every 32: chunked prefill that
 # resumes from the live slot, snapshot copies and prefix reuse all run on every rank.
 PROMPTS = random_prompts([1, 7, 33, 90], seed=3)
+# The last two prompts one token longer: their prefixes are reused the second time round.
+AGAIN = [[*p, 5] for p in PROMPTS[2:]]
 SMALL = {
     "block_size": 8,
     "max_num_batched_tokens": 24,
@@ -63,6 +65,7 @@ RUNS = [
 class Reference:
     folder: Path
     hf_tokens: list[list[int]]
+    hf_again: list[list[int]]  # AGAIN's greedy tokens: no reuse in transformers
     tp1_logprobs: list[Any]
 
 
@@ -75,7 +78,12 @@ def references(tmp_path_factory) -> dict[str, Reference]:
         model.save_pretrained(folder)
         with LLM(str(folder), max_logprobs=-1, **SMALL) as tp1:
             logprobs = engine_logprobs(tp1, PROMPTS[2:])
-        refs[name] = Reference(folder, [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS], logprobs)
+        refs[name] = Reference(
+            folder,
+            [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS],
+            [hf_greedy(model, p, NEW_TOKENS) for p in AGAIN],
+            logprobs,
+        )
     return refs
 
 
@@ -97,8 +105,9 @@ def test_greedy_tokens_equal_transformers_and_prompt_logprobs_equal_tp1(
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outputs] == ref.hf_tokens
         # Same prompts again: reused snapshots and blocks, restored on every rank.
-        again = llm.generate([[*p, 5] for p in PROMPTS[2:]], GREEDY)
+        again = llm.generate(AGAIN, GREEDY)
         assert all(o.num_cached_tokens > 0 for o in again)
+        assert [o.token_ids for o in again] == ref.hf_again  # what a run without reuse gives
         for ours, tp1 in zip(engine_logprobs(llm, PROMPTS[2:]), ref.tp1_logprobs, strict=True):
             assert (ours - tp1).abs().max() <= 1e-4
         assert_pools_at_baseline(llm.engine)  # rank 0's bookkeeping and every rank's check

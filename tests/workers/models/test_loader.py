@@ -4,7 +4,6 @@ and tensor-parallel slicing."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -161,17 +160,65 @@ def test_a_missing_folder_says_what_was_expected(tmp_path):
     assert "'tiny'" in str(info.value)
 
 
-def test_unused_tensors_are_reported_and_known_extras_ignored(tiny_copy, caplog):
-    def change(tensors):
-        tensors["backbone.layers.0.mixer.surprise"] = torch.zeros(2)
-        tensors["mtp.layers.0.norm.weight"] = torch.zeros(2)  # multi-token prediction head
-
-    rewrite_weights(tiny_copy, change)
-    with caplog.at_level(logging.WARNING, logger="hybridserve.workers.models.loader"):
+def test_a_tensor_the_model_does_not_use_is_refused_by_name_and_known_extras_load(tiny_copy):
+    """A checkpoint the model does not consume entirely would answer with wrong tokens; the
+    multi-token prediction head NemotronH checkpoints carry is skipped knowingly."""
+    rewrite_weights(
+        tiny_copy, lambda tensors: tensors.update({"mtp.layers.0.norm.weight": torch.zeros(2)})
+    )
+    load(tiny_copy)
+    rewrite_weights(
+        tiny_copy,
+        lambda tensors: tensors.update({"backbone.layers.0.mixer.surprise": torch.zeros(2)}),
+    )
+    with pytest.raises(WeightError) as refused:
         load(tiny_copy)
-    (record,) = caplog.records
-    assert "1 checkpoint tensors are not used" in record.getMessage()
-    assert "backbone.layers.0.mixer.surprise" in record.getMessage()
+    message = str(refused.value)
+    assert "model.safetensors: weight 'backbone.layers.0.mixer.surprise'" in message
+    assert "does not use 1 of the checkpoint's tensors" in message
+
+
+# Quantized layouts as checkpoints declare them: block FP8 (Qwen3.5, Qwen3-Next), FP8
+# through compressed-tensors (Nemotron 3, Granite), AWQ; each with the scales it carries.
+QUANTIZED = {
+    "fp8": (
+        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+        "weight_scale_inv",
+    ),
+    "compressed-tensors": (
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        "weight_scale",
+    ),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128}, "scales"),
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_copy, method):
+    quantization, scale = QUANTIZED[method]
+    config_file = tiny_copy / "config.json"
+    config_file.write_text(
+        json.dumps(json.loads(config_file.read_text()) | {"quantization_config": quantization})
+    )
+    rewrite_weights(
+        tiny_copy,
+        lambda tensors: tensors.update({f"backbone.layers.0.mixer.in_proj.{scale}": torch.ones(1)}),
+    )
+    for attempt in (lambda: open_checkpoint(str(tiny_copy)), lambda: LLM(str(tiny_copy))):
+        with pytest.raises(ConfigError) as refused:
+            attempt()
+        assert f"field 'quantization_config': quantization method '{method}'" in str(refused.value)
+
+
+def test_stray_scale_tensors_without_a_quantization_config_are_refused_too(tiny_copy):
+    rewrite_weights(
+        tiny_copy,
+        lambda tensors: tensors.update(
+            {"backbone.layers.0.mixer.in_proj.weight_scale_inv": torch.ones(1)}
+        ),
+    )
+    with pytest.raises(WeightError, match=r"in_proj\.weight_scale_inv"):
+        load(tiny_copy)
 
 
 # ---- NemotronH expert layouts -------------------------------------------------------------
