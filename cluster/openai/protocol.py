@@ -156,6 +156,8 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (GuideLLM asks for it).
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -245,6 +247,14 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (ignored without `stream`)."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every stream chunk carries the usage so far (vLLM's
+        `continuous_usage_stats`, with `include_usage`)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def structured_output(self) -> StructuredOutput | None:
         constraint = self.output_constraint()

@@ -56,6 +56,7 @@ class Reply:
         self.finish: list[str | None] = [None] * len(self.streams)
         self.text_offsets = [0] * len(self.streams)
         self.started = [False] * len(self.streams)
+        self.num_sent = [0] * len(self.streams)  # tokens each choice's chunks have carried
         self.prompt_text = (
             tokenizer.decode(request.prompt_token_ids) if self.echo and tokenizer else ""
         )
@@ -170,12 +171,13 @@ class Reply:
         logprobs, self.logprobs[i] = self.logprobs[i], []
         echo = self.echo and first
         text, token_ids, logprobs = self._shown(delta.text, token_ids, logprobs)
+        self.num_sent[i] += len(token_ids)
         entries = self._logprobs(token_ids, logprobs, prompt=echo, text_offset=self.text_offsets[i])
         if entries is not None and not self.meta.chat:
             shown = [*(self.request.prompt_token_ids if echo else ()), *token_ids]
             self.text_offsets[i] += sum(len(self.formatter.text(t)) for t in shown)
         return_ids = self.body_request.return_token_ids
-        return stream_chunk(
+        chunk = stream_chunk(
             self.meta,
             choice(
                 self.meta,
@@ -192,3 +194,8 @@ class Reply:
             if return_ids and first and self.meta.chat
             else None,
         )
+        if self.body_request.continuous_usage:
+            cached = self.stats.num_cached_tokens
+            usage = Usage(len(self.request.prompt_token_ids), self.num_sent[i], cached)
+            chunk["usage"] = usage.to_dict()
+        return chunk

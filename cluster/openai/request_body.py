@@ -134,13 +134,6 @@ def refuse_unsupported(data: dict[str, Any], *, chat: bool) -> None:
     for name, (defaults, why) in refused.items():
         if name in data and not any(_same(data[name], d) for d in defaults):
             raise OpenAIError(400, f"{name}: {why}.", param=name)
-    options = data.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        raise OpenAIError(
-            400,
-            "stream_options.continuous_usage_stats is not supported; use include_usage.",
-            param="stream_options.continuous_usage_stats",
-        )
 
 
 def _same(value: Any, default: Any) -> bool:

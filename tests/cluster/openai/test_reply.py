@@ -12,8 +12,11 @@ from hybridserve.cluster.openai.response_body import ResponseMeta
 from hybridserve.workers.models.tiny import tiny_tokenizer
 
 
-def chunks(tokenizer: Any, steps: list[list[int]], **body: Any) -> list[dict[str, Any]]:
-    """The stream chunks of a completion whose engine sends `steps` (one event each)."""
+def chunks(
+    tokenizer: Any, steps: list[list[int]], whole: bool = False, **body: Any
+) -> list[dict[str, Any]]:
+    """The stream chunks' choices (`whole`: the chunks) of a completion whose engine sends
+    `steps` (one event each)."""
     request = CompletionRequest(model="m", prompt=[1, 2], stream=True, **body)
     generate = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling={})
     reply = Reply(tokenizer, request, generate, ResponseMeta.new("m", chat=False))
@@ -30,7 +33,7 @@ def chunks(tokenizer: Any, steps: list[list[int]], **body: Any) -> list[dict[str
         async for delta in reply.deltas(events()):
             chunk = reply.chunk(delta)
             if chunk is not None:
-                out.append(chunk["choices"][0])
+                out.append(chunk if whole else chunk["choices"][0])
         return out
 
     return asyncio.run(run())
@@ -59,3 +62,15 @@ def test_tokens_that_may_start_a_stop_string_wait_until_it_is_decided():
     sent = chunks(tokenizer, [[t] for t in token_ids], return_token_ids=True, stop=["yq"])
     assert [c["text"] for c in sent] == ["x", "yz"]  # "y" might have begun "yq"
     assert [t for c in sent for t in c["token_ids"]] == token_ids
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
+    """vLLM's `stream_options.continuous_usage_stats` (GuideLLM sends it): each chunk carries
+    the prompt's tokens and the completion tokens streamed so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    sent = chunks(None, [[5], [6, 7], [8]], whole=True, stream_options=options)
+    assert [c["usage"]["completion_tokens"] for c in sent] == [1, 3, 4]
+    assert {c["usage"]["prompt_tokens"] for c in sent} == {2}
+    assert [c["usage"]["total_tokens"] for c in sent] == [3, 5, 6]
+    plain = chunks(None, [[5], [6]], whole=True, stream_options={"include_usage": True})
+    assert all("usage" not in c for c in plain)
