@@ -46,14 +46,15 @@ class ServiceClient:
         """The request's TokenEvents. A route to an engine restarted since this replica took
         its topology (StaleTopology, raised before any event) is retried once on a fresh
         one."""
-        try:
-            async for event in self._run(request, await self._topo()):
-                yield event
-            return
-        except StaleTopology:
-            self._topology = None
-        async for event in self._run(request, await self._topo()):
-            yield event
+        for attempt in range(2):
+            try:
+                async for event in self._run(request, await self._topo()):
+                    yield event
+                return
+            except StaleTopology:
+                if attempt:
+                    raise
+                self._topology = None
 
     async def _run(
         self, request: GenerateRequest, topology: dict[str, Any]

@@ -22,15 +22,12 @@ from hybridserve.kernels import operators  # noqa: F401  (the schemas the C++ im
 from hybridserve.kernels.cpu import attention, gemm, library, state_update
 from hybridserve.kernels.dispatch import BACKEND_ENV
 
-_loaded = False
-
 
 @functools.cache
 def build() -> bool:
     """Build (or find in the cache) the C kernels and the operators' C++, load them and bind
     the kernels, once per process; whether the operators have their CPU implementations
     (without them, their references serve CPU tensors too)."""
-    global _loaded
     if os.environ.get(BACKEND_ENV) == "reference":  # torch everywhere
         return False
     kernels = [gemm.gemv_kernel(), state_update.kernel(), attention.kernel()]
@@ -40,13 +37,7 @@ def build() -> bool:
         return False
     addresses = [ctypes.cast(kernel, ctypes.c_void_p).value for kernel in kernels]
     torch.ops.hybridserve.bind_cpu_kernels(*addresses, gemm.GEMV_ROWS, gemm.SMALL_BATCH)
-    _loaded = True
     return True
-
-
-def loaded() -> bool:
-    """Whether `build()` has given the operators their CPU implementations (never builds)."""
-    return _loaded
 
 
 def register_packed(weight: torch.Tensor, packed: torch.Tensor) -> None:
