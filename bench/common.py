@@ -1,8 +1,9 @@
-"""What the benchmark scripts share: the mid-size random checkpoint, the machine record and
-the JSON result file."""
+"""What the benchmark scripts share: the mid-size random checkpoints (one per family), the
+machine record and the JSON result file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -14,13 +15,38 @@ import torch
 
 from hybridserve.workers import LLM, SamplingParams
 
+# The benchmark checkpoints, one per family, written with transformers so every system loads
+# the same weights: random, fp32, hidden 512 and 12 layers (hidden 128 with `quick`).
+FAMILIES = {
+    "nemotron_h": "random NemotronH-style, hidden 512, 12 layers (M-M*-M-M*-M-), fp32",
+    "qwen3_5": "random Qwen3.5-style (Gated DeltaNet), hidden 512, 12 layers (3 GDN : 1 gated "
+    "attention), fp32",
+}
 
-def build_checkpoint(folder: Path, quick: bool) -> None:
-    """A random NemotronH-style checkpoint (hidden 512, 12 layers `M-M*-M-M*-M-`, fp32; with
-    `quick`, hidden 128) written with transformers, so both systems load the same weights."""
+
+def add_family_arguments(parser: argparse.ArgumentParser, benchmark: str) -> None:
+    """`--family` (the checkpoint) and `--output` (default bench/results/<benchmark>.json, the
+    family's name appended for any but NemotronH)."""
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="nemotron_h")
+    parser.add_argument("--output", default=None, help=f"default bench/results/{benchmark}...")
+    parser.set_defaults(benchmark=benchmark)
+
+
+def output_path(args: argparse.Namespace) -> str:
+    if args.output:
+        return args.output
+    suffix = "" if args.family == "nemotron_h" else f"_{args.family}"
+    return f"bench/results/{args.benchmark}{suffix}.json"
+
+
+def build_checkpoint(folder: Path, quick: bool, family: str = "nemotron_h") -> None:
+    """The benchmark checkpoint of `family` (FAMILIES) in `folder`."""
+    torch.manual_seed(0)
+    if family == "qwen3_5":
+        _build_qwen3_5(folder, quick)
+        return
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    torch.manual_seed(0)
     size = (
         dict(
             hidden_size=128,
@@ -54,6 +80,35 @@ def build_checkpoint(folder: Path, quick: bool) -> None:
         **size,
     )
     NemotronHForCausalLM(config).save_pretrained(folder)
+
+
+def _build_qwen3_5(folder: Path, quick: bool) -> None:
+    """Qwen3.5's shape scaled down: 12 layers, every fourth full attention (gated, partial
+    RoPE), GDN with twice as many value heads as key heads, a gated MLP after each."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    size = (
+        dict(hidden_size=128, intermediate_size=384, linear_num_key_heads=2)
+        if quick
+        else dict(hidden_size=512, intermediate_size=1536, linear_num_key_heads=4)
+    )
+    config = Qwen3_5TextConfig(
+        vocab_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=2 * size["linear_num_key_heads"],
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        **size,
+    )
+    Qwen3_5ForCausalLM(config).save_pretrained(folder)
 
 
 def machine() -> dict[str, Any]:

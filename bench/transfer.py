@@ -144,7 +144,7 @@ def serve_sender(args: argparse.Namespace) -> None:
     if args.tp > 1:  # keep this rank's head of every region, and send it as pieces
         pool = head_shard(pool, args.tp, args.tp_rank)
         pieces = rank_pieces(args.region_bytes, args.tp, args.tp_rank)
-    backend = create_backend(args.serve_sender, Pools(pool, None, None), args.streams)
+    backend = create_backend(args.serve_sender, Pools({"kv": pool}), args.streams)
     channel = Channel.connect(("127.0.0.1", args.port), TIMEOUT_S)
     try:
         send_blob(
@@ -286,7 +286,7 @@ class Receiver:
         tp: int = 1,
     ) -> None:  # fmt: skip
         self.pool = zeroed_pool((num_regions, region_bytes), torch.uint8, CPU)  # pages touched
-        self.backend = create_backend(backend, Pools(self.pool, None, None), streams)
+        self.backend = create_backend(backend, Pools({"kv": self.pool}), streams)
         self.tp = tp
         self.pieces = [rank_pieces(region_bytes, tp, r) if tp > 1 else () for r in range(tp)]
         self.links = [

@@ -222,7 +222,7 @@ class ServiceConfig(BaseModel):
         commit a turn-end snapshot by default: the next turn of their conversation resumes
         there."""
         overrides = self.prefill_engine if role == "prefill" else self.decode_engine
-        defaults: dict[str, Any] = {} if role == "prefill" else {"mamba_snapshot_turn_end": True}
+        defaults: dict[str, Any] = {} if role == "prefill" else {"snapshot_turn_end": True}
         fields = defaults | self.engine | overrides
         if fields.get("tensor_parallel_size", 1) > 1:
             # The service's engines span rank actors (cluster/control/rank_actors.py).

@@ -75,7 +75,7 @@ class EngineStats(BaseModel):
     num_requests_waiting: int = Field(0, ge=0)
     kv_cache_usage_perc: float = Field(0.0, ge=0.0, le=1.0, description="1.0 = 100%")
     kv_blocks_in_use: int = Field(0, ge=0, description="held, not cached-and-free")
-    mamba_slots_in_use: int = Field(0, ge=0, description="live-state slots held")
+    state_slots_in_use: int = Field(0, ge=0, description="live-state slots held")
     transfers_in_flight: int = Field(0, ge=0, description="sends and receives under way")
     handoffs_held: int = Field(0, ge=0, description="prefill requests held for a transfer")
     # Cumulative totals.
@@ -98,7 +98,7 @@ _ENGINE_GAUGES = {
     "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1.0 = 100%).",
     # Leak detectors: all 0 on an idle engine.
     "kv_blocks_in_use": "KV blocks held by requests, hand-offs, receives or quarantine.",
-    "mamba_slots_in_use": "Mamba live-state slots held by requests, hand-offs or receives.",
+    "state_slots_in_use": "Mamba live-state slots held by requests, hand-offs or receives.",
     "transfers_in_flight": "KV/state transfers being sent or received.",
     "handoffs_held": "Prefilled requests holding their pages for a transfer.",
 }

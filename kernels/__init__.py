@@ -18,6 +18,7 @@ from hybridserve.kernels.dispatch import dispatched
 from hybridserve.kernels.operators import (
     attention_decode_pooled,
     conv_update_pooled,
+    gated_delta_update_pooled,
     packed_linear,
     register_packed,
     state_update_pooled,
@@ -27,6 +28,8 @@ from hybridserve.kernels.reference import ChunkScanOutput, Conv1dOutput
 
 causal_conv1d = dispatched("causal_conv1d")
 causal_conv1d_update = dispatched("causal_conv1d_update")
+gated_delta_chunk = dispatched("gated_delta_chunk")
+gated_delta_step = dispatched("gated_delta_step")
 gated_rms_norm = dispatched("gated_rms_norm")
 linear = dispatched("linear")
 mamba_chunk_scan = dispatched("mamba_chunk_scan")
@@ -46,6 +49,9 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_pooled",
+    "gated_delta_chunk",
+    "gated_delta_step",
+    "gated_delta_update_pooled",
     "gated_rms_norm",
     "linear",
     "mamba_chunk_scan",

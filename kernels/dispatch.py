@@ -62,6 +62,18 @@ KERNELS: dict[str, Kernel] = {
     "causal_conv1d_update": Kernel(
         "reference.conv1d:causal_conv1d_update_ref", "triton.conv1d:causal_conv1d_update"
     ),
+    # Gated DeltaNet: prompt chunks (the chunked delta rule) and decode rows (one step). The
+    # short conv before them is Mamba2's (causal_conv1d, conv_update_pooled).
+    "gated_delta_chunk": Kernel(
+        "reference.gated_delta:gated_delta_chunk_ref",
+        "triton.gated_delta:gated_delta_chunk",
+        "cpu.gated_delta:gated_delta_chunk",
+    ),
+    "gated_delta_step": Kernel(
+        "reference.gated_delta:gated_delta_step_ref",
+        "triton.gated_delta:gated_delta_step",
+        "cpu.gated_delta:gated_delta_step",
+    ),
     # Attention over the paged KV pool.
     "store_kv": Kernel("reference.attention:store_kv_ref", "triton.attention:store_kv"),
     "paged_attention_prefill": Kernel(
@@ -81,6 +93,7 @@ KERNELS: dict[str, Kernel] = {
     "packed_linear": Kernel("operators:packed_linear_reference", cpu="cpu.ops:packed_linear"),
     "conv_update_pooled": Kernel("operators:conv_update_reference", cpu="cpu.ops:conv_update_"),
     "state_update_pooled": Kernel("operators:ssm_update_reference", cpu="cpu.ops:ssm_update_"),
+    "gated_delta_update_pooled": Kernel("operators:gated_delta_update_reference"),
     "store_kv_pooled": Kernel("operators:store_kv_reference", cpu="cpu.ops:store_kv_"),
     "attention_decode_pooled": Kernel(
         "operators:attention_decode_reference", cpu="cpu.ops:attention_decode"

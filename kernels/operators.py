@@ -4,6 +4,7 @@ kernels that read or write one layer of a state pool.
     hybridserve::packed_linear(x, weight, bias)                  y = x weight^T + bias
     hybridserve::conv_update_(conv_pool!, layer, x, weight, bias, slots, activation)
     hybridserve::ssm_update_(ssm_pool!, layer, x, dt, A, B, C, slots, D)      dt prepared
+    hybridserve::gated_delta_update_(state_pool!, layer, q, k, v, g, beta, slots)
     hybridserve::store_kv_(kv_pool!, layer, key, value, slot_mapping)
     hybridserve::attention_decode(q, kv_pool, layer, block_tables, seq_lens, scale)
 
@@ -45,6 +46,10 @@ _LIBRARY.define(
     "Tensor C, Tensor slots, Tensor? D) -> Tensor"
 )
 _LIBRARY.define(
+    "gated_delta_update_(Tensor(a!) state_pool, int layer, Tensor q, Tensor k, Tensor v, "
+    "Tensor g, Tensor beta, Tensor slots) -> Tensor"
+)
+_LIBRARY.define(
     "store_kv_(Tensor(a!) kv_pool, int layer, Tensor key, Tensor value, Tensor slot_mapping) -> ()"
 )
 _LIBRARY.define(
@@ -55,6 +60,7 @@ _LIBRARY.define(
 _linear = dispatched("linear")
 _causal_conv1d_update = dispatched("causal_conv1d_update")
 _selective_state_update = dispatched("selective_state_update")
+_gated_delta_step = dispatched("gated_delta_step")
 _store_kv = dispatched("store_kv")
 _paged_attention_decode = dispatched("paged_attention_decode")
 
@@ -170,6 +176,33 @@ def _ssm_update_shape(
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+@torch.library.impl(_LIBRARY, "gated_delta_update_", "CompositeExplicitAutograd")
+def gated_delta_update_reference(
+    state_pool: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    out = _gated_delta_step(state_pool.select(1, layer), q, k, v, g, beta, state_slots=slots)
+    return out.float()
+
+
+@torch.library.register_fake("hybridserve::gated_delta_update_")
+def _gated_delta_update_shape(
+    state_pool: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *rest: object,
+) -> torch.Tensor:
+    return v.new_empty(v.shape, dtype=torch.float32)
+
+
 @torch.library.impl(_LIBRARY, "store_kv_", "CompositeExplicitAutograd")
 def store_kv_reference(
     kv_pool: torch.Tensor,
@@ -258,6 +291,26 @@ def state_update_pooled(
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.ops.hybridserve.ssm_update_(ssm_pool, layer, x, dt, A, B, C, state_slots, D)
     return y.to(x.dtype)
+
+
+def gated_delta_update_pooled(
+    state_pool: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of the gated delta rule per row. state_pool: (num_slots, num_layers,
+    Hv, Dk, Dv), updated in place at (state_slots, layer); q, k: (Bt, Hk, Dk) before L2
+    normalisation; v: (Bt, Hv, Dv); g, beta: (Bt, Hv). Returns (Bt, Hv, Dv) in v.dtype."""
+    out = torch.ops.hybridserve.gated_delta_update_(
+        state_pool, layer, q, k, v, g, beta, state_slots
+    )
+    return out.to(v.dtype)
 
 
 def store_kv_pooled(

@@ -149,7 +149,7 @@ def settle(service: Service, timeout: float = 30.0) -> dict[str, dict[str, Any]]
         time.sleep(0.2)
 
 
-IN_USE = ("kv_blocks_in_use", "mamba_slots_in_use", "transfers_in_flight", "handoffs_held")
+IN_USE = ("kv_blocks_in_use", "state_slots_in_use", "transfers_in_flight", "handoffs_held")
 
 
 def num_aborted(service: Service) -> int:

@@ -1,9 +1,9 @@
 """The backend interface: how one request's regions move from a sender's pools to a receiver's.
 
-A region is one KV block (every attention layer, K and V) or one Mamba slot's conv or SSM state
-(every Mamba layer): one contiguous piece of a pool on each side. Both sides derive the same list
-of `RegionCopy`s from the receive plan, so the receiver knows exactly which bytes to accept and
-where they go; it never takes a destination from the wire.
+A region is one KV block (every attention layer, K and V) or one slot of one recurrent state
+tensor (every recurrent layer): one contiguous piece of a pool on each side. Both sides derive the
+same list of `RegionCopy`s from the receive plan, so the receiver knows exactly which bytes to
+accept and where they go; it never takes a destination from the wire.
 
 Backends are chosen by name (`registry.create_backend`); each registers the engine's pools once.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -20,41 +20,36 @@ from hybridserve.transceiver.channel import Channel
 from hybridserve.transceiver.protocol import ReceivePlan
 from hybridserve.transceiver.tp_mapping import Piece
 
-RegionKind = Literal["kv", "conv", "ssm"]
+# "kv", or the name of a recurrent state tensor ("conv", "ssm", "recurrent", ...).
+RegionKind = str
 
 
 class StatePools(Protocol):
     """An engine's state pools as its model runner holds them (`StateCaches`)."""
 
-    kv: torch.Tensor | None
-    conv: torch.Tensor | None
-    ssm: torch.Tensor | None
+    def pools(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
 class Pools:
-    """An engine's transferable memory (the model runner's state caches)."""
+    """An engine's transferable memory (the model runner's state caches), by region kind:
+    "kv" (one block per index), then each state tensor (one slot per index), in pool order."""
 
-    kv: torch.Tensor | None  # (num_blocks, ...)  one block per index
-    conv: torch.Tensor | None  # (num_slots, ...)   one slot per index
-    ssm: torch.Tensor | None
+    tensors: dict[str, torch.Tensor]
 
     @classmethod
     def of(cls, caches: StatePools) -> Pools:
         """An engine's pools: its model runner's state caches (`engine.runner.caches`)."""
-        return cls(caches.kv, caches.conv, caches.ssm)
+        return cls(caches.pools())
+
+    @property
+    def state_kinds(self) -> list[str]:
+        return [kind for kind in self.tensors if kind != "kv"]
 
     def region(self, kind: RegionKind, index: int) -> torch.Tensor:
-        pool = getattr(self, kind)
-        assert pool is not None and pool[index].is_contiguous()
+        pool = self.tensors[kind]
+        assert pool[index].is_contiguous()
         return pool[index]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            k: t
-            for k, t in (("kv", self.kv), ("conv", self.conv), ("ssm", self.ssm))
-            if t is not None
-        }
 
 
 @dataclass(frozen=True)
@@ -78,14 +73,14 @@ def region_copies(
     plan: ReceivePlan,
     pieces: dict[str, tuple[Piece, ...]] | None = None,
 ) -> list[RegionCopy]:
-    """KV blocks the receiver does not hold yet, then the live Mamba slot (the state after the
+    """KV blocks the receiver does not hold yet, then the live state slot (the state after the
     whole prompt travels last: it only means something with every block in place). `pieces`
     (per kind) carries one rank pair's shards between different TP layouts; a kind without
     pieces there has nothing to move for this pair."""
     copies: list[RegionCopy] = []
 
     def wanted(kind: str) -> bool:
-        return getattr(pools, kind) is not None and (pieces is None or bool(pieces.get(kind)))
+        return kind in pools.tensors and (pieces is None or bool(pieces.get(kind)))
 
     def of(kind: str) -> tuple[Piece, ...]:
         return () if pieces is None else pieces[kind]
@@ -93,9 +88,9 @@ def region_copies(
     if wanted("kv"):
         for src, dst in zip(src_blocks[plan.held_blocks :], plan.dst_block_ids, strict=True):
             copies.append(RegionCopy("kv", src, dst, of("kv")))
-    for kind in ("conv", "ssm"):
+    for kind in pools.state_kinds:
         if wanted(kind):
-            copies.append(RegionCopy(kind, src_slot, plan.dst_slot, of(kind)))  # type: ignore[arg-type]
+            copies.append(RegionCopy(kind, src_slot, plan.dst_slot, of(kind)))
     return copies
 
 

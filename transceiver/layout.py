@@ -1,17 +1,18 @@
 """What one engine's transferable state looks like, and whether two engines can exchange it.
 
 Both sides of a transfer describe their pools with a `PeerLayout` (exchanged once per peer) and
-reject a peer whose compatibility hash differs: same model, dtypes (the SSM state dtype too),
-block size, layer layout and head geometry, with tensor-parallel sizes dividing each other.
+reject a peer whose compatibility hash differs: same model, dtypes (each state tensor's too),
+block size, layer layout and geometry, with tensor-parallel sizes dividing each other.
 
 Pool layouts (one block / slot is one contiguous region on each rank):
-    KV:    (num_blocks, attn_layers, 2, kv_heads_per_rank, block_size, head_dim)
-    conv:  (num_slots, mamba_layers, conv_rows_per_rank, conv_kernel - 1)
-           conv rows = x (intermediate / tp) | B (groups_per_rank * state) | C (same)
-    ssm:   (num_slots, mamba_layers, heads_per_rank, head_dim, state_size)
+    KV:     (num_blocks, attn_layers, 2, kv_heads_per_rank, block_size, head_dim)
+    state:  one pool per state tensor of the model's recurrent kind (Mamba2: conv, ssm; Gated
+            DeltaNet: conv, recurrent), (num_slots, state_layers, rows_per_rank, *row_shape)
 
-KV heads and B/C groups are replicated when there are fewer than ranks (one per rank), so the
-model's totals travel too (`num_kv_heads`, `mamba_groups`): per-rank sizes times tp would
+A state tensor is described by its sections along the split axis (the model's full sizes and
+their units: heads, groups), so each side derives every rank's rows without knowing the layer
+kind. KV heads and state units are replicated when there are fewer than ranks (one per rank),
+so the model's totals travel (`num_kv_heads`, the sections): per-rank sizes times tp would
 overcount them. See docs/tensor-parallel.md.
 """
 
@@ -25,43 +26,65 @@ import msgpack
 
 
 @dataclass(frozen=True)
+class StateTensorLayout:
+    """One recurrent state tensor: name, dtype, sections (size, units) along the split axis,
+    and the shape of one row."""
+
+    name: str
+    dtype: str
+    sections: tuple[tuple[int, int], ...]
+    row_shape: tuple[int, ...]
+
+    def held(self, section: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+        """(first row, rows) of section `section` on rank `tp_rank` of `tp_size`."""
+        size, units = self.sections[section]
+        if units >= tp_size:
+            rows = size // tp_size
+            return tp_rank * rows, rows
+        rows = size // units
+        return tp_rank // (tp_size // units) * rows, rows
+
+    def local_rows(self, tp_size: int) -> int:
+        return sum(self.held(i, tp_size, 0)[1] for i in range(len(self.sections)))
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> StateTensorLayout:
+        return cls(
+            name=data["name"],
+            dtype=data["dtype"],
+            sections=tuple((int(size), int(units)) for size, units in data["sections"]),
+            row_shape=tuple(data["row_shape"]),
+        )
+
+
+@dataclass(frozen=True)
 class PeerLayout:
     model_id: str  # a digest of the model's config (same weights assumed)
     tp_size: int
     tp_rank: int
-    layer_kinds: tuple[str, ...]  # every sublayer: mamba / attention / mlp / moe
+    layer_kinds: tuple[str, ...]  # every sublayer: mamba2 / gdn / attention / mlp / moe
     # Attention (kv_heads_per_layer holds 0 for non-attention layers, the HF convention).
     kv_heads_per_layer: tuple[int, ...]
     num_kv_heads: int  # the model's, across ranks
     block_size: int
     head_dim: int
     kv_dtype: str
-    # Mamba, per rank.
-    conv_sections: tuple[int, int, int]  # rows of x | B | C on this rank
-    mamba_groups: int  # the model's n_groups, across ranks
-    conv_width: int  # conv_kernel - 1 (the stored window)
-    conv_dtype: str
-    ssm_heads: int
-    ssm_head_dim: int
-    ssm_state_size: int
-    ssm_dtype: str
+    # Recurrent state: the layer kind, how many layers hold it, and its tensors (pool order).
+    state_kind: str
+    num_state_layers: int
+    state_tensors: tuple[StateTensorLayout, ...]
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """The first non-zero per-layer count (layer 0 of a hybrid is often Mamba)."""
+        """The first non-zero per-layer count (layer 0 of a hybrid is often recurrent)."""
         return next((h for h in self.kv_heads_per_layer if h), 0)
 
     @property
     def num_attention_layers(self) -> int:
         return sum(1 for h in self.kv_heads_per_layer if h)
 
-    @property
-    def num_mamba_layers(self) -> int:
-        return self.layer_kinds.count("mamba")
-
     def full_geometry(self) -> dict[str, Any]:
         """The rank-independent shape: what two peers of any TP sizes must agree on."""
-        tp = self.tp_size
         return {
             "model_id": self.model_id,
             "layer_kinds": list(self.layer_kinds),
@@ -69,17 +92,12 @@ class PeerLayout:
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "kv_dtype": self.kv_dtype,
-            "conv_sections": [
-                self.conv_sections[0] * tp,
-                self.mamba_groups * self.ssm_state_size,
-                self.mamba_groups * self.ssm_state_size,
+            "state_kind": self.state_kind,
+            "state_layers": self.num_state_layers,
+            "state_tensors": [
+                [t.name, t.dtype, [list(s) for s in t.sections], list(t.row_shape)]
+                for t in self.state_tensors
             ],
-            "conv_width": self.conv_width,
-            "conv_dtype": self.conv_dtype,
-            "ssm_heads": self.ssm_heads * tp,
-            "ssm_head_dim": self.ssm_head_dim,
-            "ssm_state_size": self.ssm_state_size,
-            "ssm_dtype": self.ssm_dtype,
         }
 
     def compatibility_hash(self) -> str:
@@ -93,8 +111,11 @@ class PeerLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerLayout:
         fields = dict(data)
-        for key in ("layer_kinds", "kv_heads_per_layer", "conv_sections"):
+        for key in ("layer_kinds", "kv_heads_per_layer"):
             fields[key] = tuple(fields[key])
+        fields["state_tensors"] = tuple(
+            StateTensorLayout.from_wire(t) for t in fields["state_tensors"]
+        )
         return cls(**fields)
 
 

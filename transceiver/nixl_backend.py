@@ -1,7 +1,7 @@
 """NIXL backend: the sender WRITEs regions straight into the receiver's registered pools (UCX;
 DRAM here, VRAM on GPUs) and tags the transfer with the request id as a notification.
 
-Both sides register their KV and Mamba pools once. The Hello carries the agent metadata,
+Both sides register their KV and state pools once. The Hello carries the agent metadata,
 per pool (base address, region bytes, stride, device), so a sender turns a receiver's block id
 into an address without another round trip, and the sender's stream count.
 
@@ -94,11 +94,11 @@ class NixlBackend(TransferBackend):
         self._inbox: dict[str, set[bytes]] = {}  # peer -> notifications not yet taken
         self._abandoned: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._inbox_lock = threading.Lock()
-        tensors = list(pools.tensors().values())
+        tensors = list(pools.tensors.values())
         self.on_gpu = any(t.is_cuda for t in tensors)
         self.mem_type = "VRAM" if self.on_gpu else "DRAM"
         self._registered = self.agent.register_memory(tensors)
-        self.layout = {kind: self._pool_layout(t) for kind, t in pools.tensors().items()}
+        self.layout = {kind: self._pool_layout(t) for kind, t in pools.tensors.items()}
         self.peers: dict[str, dict[str, Any]] = {}
         # Links open to each peer: a prefill engine keeps several to one decode engine
         # (transfer_links_per_peer), and the peer is forgotten when its last one closes.

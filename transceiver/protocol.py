@@ -7,7 +7,7 @@
                                                             shard addresses of every decode rank)
     TransferRequest(request, state_pos, ...)  --->    validate, allocate; arm the other ranks
                                               <---    ReceivePlan(held blocks, dst blocks, slot)
-    KV blocks [held, n) + live Mamba slot     --->    (data plane: TCP bytes or NIXL writes)
+    KV blocks [held, n) + live state slot     --->    (data plane: TCP bytes or NIXL writes)
       (rank 0's shards; every other rank pair      (each decode rank lands what it expects)
        on its own shard link: ShardStart + data)
     TransferDone                              --->    admit, continue decoding
@@ -26,11 +26,12 @@ import msgpack
 
 from hybridserve.transceiver.layout import PeerLayout
 
-# 2: layouts carry the model's KV head and Mamba group totals (replicated shards).
+# 2: layouts carry the model's KV head and Mamba2 group totals (replicated shards).
 # 3: Hello carries the decode ranks' shard addresses; ShardStart opens a rank pair's data.
 # 4: SamplingState carries the n > 1 choices' seeds and first tokens, and first-token logprobs.
 # 5: links open with a Challenge; Hello carries a nonce and a proof of the deployment's secret.
-PROTOCOL_VERSION = 5
+# 6: layouts describe recurrent state as a kind and its named tensors (any recurrent kind).
+PROTOCOL_VERSION = 6
 # The largest message accepted from an authenticated peer (a TransferRequest carries the
 # prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -100,7 +101,7 @@ class TransferRequest:
     # Keys of the prompt's full blocks (salted chain): the receiver skips those it holds.
     block_hashes: list[bytes]
     cache_salt: str | None
-    # Tokens the shipped Mamba state has consumed: the whole prompt.
+    # Tokens the shipped recurrent state has consumed: the whole prompt.
     state_pos: int
     first_token: int
     sampling: SamplingState
@@ -121,11 +122,11 @@ class ReceivePlan:
 
 @dataclass(frozen=True)
 class DataFrame:
-    """Announces `nbytes` raw bytes that follow: one region (a KV block, or one Mamba slot's
-    conv or SSM state) for the receiver's `dst` block / slot (TCP backend)."""
+    """Announces `nbytes` raw bytes that follow: one region (a KV block, or one state tensor of a
+    slot) for the receiver's `dst` block / slot (TCP backend)."""
 
     request_id: str
-    kind: str  # "kv" | "conv" | "ssm"
+    kind: str  # "kv" or a state tensor's name ("conv", "ssm", "recurrent", ...)
     dst: int
     nbytes: int
     type: ClassVar[str] = "data_frame"

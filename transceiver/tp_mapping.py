@@ -3,9 +3,10 @@
 Every kind of state is split across ranks along one axis, in sections; within a section the
 rows come in `units` (heads, groups) that are never cut:
 
-    KV block:  kv heads                 (attn_layers, 2, heads, block_size, head_dim): axis 2
-    SSM state: heads                    (mamba_layers, heads, head_dim, state):        axis 1
-    conv:      rows, per section x | B | C (mamba_layers, rows, width):                axis 1
+    KV block:      kv heads        (attn_layers, 2, heads, block_size, head_dim):   axis 2
+    state tensor:  its sections    (state_layers, rows, *row_shape):                axis 1
+                   (Mamba2 conv: x | B | C, SSM: heads; Gated DeltaNet conv: q | k | v,
+                   recurrent: value heads; the layout carries them, layout.py)
 
 A rank holds 1/tp of a section's rows when it has at least tp units; with fewer units each rank
 holds one whole unit, replicated over tp / units ranks (KV heads or B/C groups fewer than the
@@ -20,6 +21,7 @@ rank, as the pools lay them out), which is what the transfer backends move.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -196,35 +198,23 @@ def _itemsize(dtype: str) -> int:
 
 
 def state_geometry(layout: PeerLayout) -> dict[str, tuple[tuple[Section, ...], RegionShape]]:
-    """Per state kind of an engine: its sections (the model's, in units) and this rank's
-    region shape."""
+    """Per region kind of an engine ("kv", then each state tensor): its sections (the model's,
+    in units) and this rank's region shape."""
     geometry: dict[str, tuple[tuple[Section, ...], RegionShape]] = {}
-    tp = layout.tp_size
     if layout.num_attention_layers:
         row = layout.block_size * layout.head_dim * _itemsize(layout.kv_dtype)
         geometry["kv"] = (
             (Section(layout.num_kv_heads, units=layout.num_kv_heads),),
             RegionShape(layout.num_attention_layers * 2, layout.kv_heads_per_rank, row),
         )
-    if layout.num_mamba_layers:
-        heads = layout.ssm_heads * tp
-        groups = layout.mamba_groups * layout.ssm_state_size
-        geometry["conv"] = (
-            (
-                Section(layout.conv_sections[0] * tp, units=heads),
-                Section(groups, units=layout.mamba_groups),
-                Section(groups, units=layout.mamba_groups),
-            ),
+    for tensor in layout.state_tensors:
+        geometry[tensor.name] = (
+            tuple(Section(size, units=units) for size, units in tensor.sections),
             RegionShape(
-                layout.num_mamba_layers,
-                sum(layout.conv_sections),
-                layout.conv_width * _itemsize(layout.conv_dtype),
+                layout.num_state_layers,
+                tensor.local_rows(layout.tp_size),
+                math.prod(tensor.row_shape) * _itemsize(tensor.dtype),
             ),
-        )
-        row = layout.ssm_head_dim * layout.ssm_state_size * _itemsize(layout.ssm_dtype)
-        geometry["ssm"] = (
-            (Section(heads),),
-            RegionShape(layout.num_mamba_layers, layout.ssm_heads, row),
         )
     return geometry
 

@@ -218,7 +218,7 @@ class EngineHost:
                 # Held by requests, hand-offs, receives or quarantine (blocks cached in the
                 # prefix tree and free to reuse are not): all 0 on an idle engine.
                 "kv_blocks_in_use": used,
-                "mamba_slots_in_use": cache.mamba.num_live_slots - cache.num_free_slots,
+                "state_slots_in_use": cache.recurrent.num_live_slots - cache.num_free_slots,
                 "transfers_in_flight": self.links.num_sending + self.links.num_receiving,
                 "handoffs_held": len(prefill_port.pending) if prefill_port is not None else 0,
                 "integrity_failures": self.integrity_failures,
@@ -233,7 +233,7 @@ class EngineHost:
                 "num_free_blocks": cache.num_free_blocks,
                 "num_blocks": self.engine.num_kv_blocks,
                 "num_free_slots": cache.num_free_slots,
-                "num_live_slots": cache.mamba.num_live_slots,
+                "num_live_slots": cache.recurrent.num_live_slots,
                 "busy": self._busy(),
             }
 

@@ -6,6 +6,8 @@ Every kernel addresses it through an int tensor of slot ids where `-1` means "no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -76,3 +78,52 @@ def positions_by_seq(
             )
         by_seq[seq].append((row, pos))
     return by_seq
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Packed sequences cut into chunks of `chunk_size` tokens, each from its sequence's first
+    token, every chunk of every sequence side by side (zero-padded at the end of each
+    sequence's last chunk):
+
+        packed tokens:  | s0 s0 s0 s0 s0 | s1 s1 |
+        chunks (Q=4):   | s0 s0 s0 s0 | s0 __ __ __ | s1 s1 __ __ |
+
+    Token t sits at lane `lane_ids[t]` of chunk `chunk_ids[t]`; sequence s owns chunks
+    [first_chunk[s], first_chunk[s] + chunks_per_seq[s])."""
+
+    chunk_size: int
+    chunk_ids: torch.Tensor  # (T,)
+    lane_ids: torch.Tensor  # (T,)
+    chunks_per_seq: torch.Tensor  # (S,)
+    first_chunk: torch.Tensor  # (S,)
+    num_chunks: int
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, chunk_size: int) -> ChunkLayout:
+        device = cu_seqlens.device
+        lengths = cu_seqlens.diff().long()
+        chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+        first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
+        seq_ids = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths)
+        num_tokens = int(lengths.sum())
+        pos_in_seq = torch.arange(num_tokens, device=device) - cu_seqlens[seq_ids].long()
+        return cls(
+            chunk_size,
+            first_chunk[seq_ids] + pos_in_seq // chunk_size,
+            pos_in_seq % chunk_size,
+            chunks_per_seq,
+            first_chunk,
+            int(chunks_per_seq.sum()),
+        )
+
+    def to_chunks(self, t: torch.Tensor) -> torch.Tensor:
+        """(T, H, ...) packed -> (K, H, Q, ...) chunked, head-major so per-chunk products are
+        plain batched matmuls."""
+        chunked = t.new_zeros((self.num_chunks, t.shape[1], self.chunk_size, *t.shape[2:]))
+        chunked[self.chunk_ids, :, self.lane_ids] = t
+        return chunked
+
+    def to_tokens(self, chunked: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_chunks`: (K, H, Q, ...) -> (T, H, ...)."""
+        return chunked[self.chunk_ids, :, self.lane_ids]

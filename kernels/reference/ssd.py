@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import expand_groups, positions_by_seq, prepare_dt, read_slots, write_slots
+from ._common import (
+    ChunkLayout,
+    expand_groups,
+    positions_by_seq,
+    prepare_dt,
+    read_slots,
+    write_slots,
+)
 
 
 @dataclass
@@ -77,42 +84,25 @@ def mamba_chunk_scan_ref(
     offsets = cu_seqlens.tolist()
     positions = positions_by_seq(state_positions, offsets)
 
-    # Every sequence is cut into chunks of `chunk_size` from its own first token and all chunks
-    # of all sequences are processed together, zero-padded at the end of each sequence's last
-    # chunk. A padded token has dt = 0: no decay and no input, so it changes nothing.
-    #     packed tokens:  | s0 s0 s0 s0 s0 | s1 s1 |
-    #     chunks (Q=4):   | s0 s0 s0 s0 | s0 __ __ __ | s1 s1 __ __ |
+    # All chunks of all sequences are processed together (ChunkLayout). A padded token has
+    # dt = 0: no decay and no input, so it changes nothing.
     device = x.device
     # NOTE: any block length gives the same result up to rounding; the quadratic in-chunk work
     # grows with it, and on a CPU blocks of at most 64 tokens are fastest.
     chunk_size = min(chunk_size, 64)
-    lengths = cu_seqlens.diff().long()
-    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
-    first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)
-    pos_in_seq = torch.arange(T, device=device) - cu_seqlens[seq_ids].long()
-    chunk_ids = first_chunk[seq_ids] + pos_in_seq // chunk_size
-    lane_ids = pos_in_seq % chunk_size
-    num_chunks = int(chunks_per_seq.sum())
-
-    def to_chunks(t: torch.Tensor) -> torch.Tensor:
-        """(T, H, ...) packed -> (K, H, Q, ...) chunked, head-major so the per-chunk products
-        below are plain batched matmuls."""
-        chunked = t.new_zeros((num_chunks, t.shape[1], chunk_size, *t.shape[2:]))
-        chunked[chunk_ids, :, lane_ids] = t
-        return chunked
-
+    layout = ChunkLayout.of(cu_seqlens, chunk_size)
+    first_chunk = layout.first_chunk
     y, final_states, state_after = _ssd_chunks(
-        to_chunks(xf),
-        to_chunks(dt[..., None])[..., 0],
+        layout.to_chunks(xf),
+        layout.to_chunks(dt[..., None])[..., 0],
         A,
-        to_chunks(B),
-        to_chunks(C),
+        layout.to_chunks(B),
+        layout.to_chunks(C),
         initial_states,
-        chunks_per_seq.tolist(),
+        layout.chunks_per_seq.tolist(),
         first_chunk.tolist(),
     )
-    out = y[chunk_ids, :, lane_ids]
+    out = layout.to_tokens(y)
     if D is not None:
         out += D.float()[:, None] * xf
 

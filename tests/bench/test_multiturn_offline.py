@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 
-def test_quick_run_reuses_every_later_turn(run_bench):
-    result = run_bench("multiturn_offline.py", "--quick")
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_quick_run_reuses_every_later_turn(run_bench, family):
+    result = run_bench("multiturn_offline.py", "--quick", "--family", family)
+    assert result["family"] == family
     turns = result["turns"]
     assert turns[-1]["prompt_tokens"] >= 400
     assert turns[0]["cached_tokens"] == 0

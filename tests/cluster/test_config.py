@@ -16,7 +16,7 @@ def test_roles_get_their_overrides_and_tensor_parallel_engines_run_on_rank_actor
     prefill, decode = config.engine_config("prefill"), config.engine_config("decode")
     assert (prefill.max_num_seqs, decode.max_num_seqs) == (4, 4)
     assert prefill.executor_backend == "ray" and decode.executor_backend == "uni"
-    assert not prefill.mamba_snapshot_turn_end and decode.mamba_snapshot_turn_end
+    assert not prefill.snapshot_turn_end and decode.snapshot_turn_end
 
 
 def test_defaults_take_one_gpu_per_rank_on_gpus_and_no_cpu_for_a_single_rank_engine():

@@ -1,8 +1,9 @@
 """Prefill and decode engines of different tensor-parallel sizes, through HTTP with the
 `openai` client: every rank moves its own shards (shard links between rank actors). Oracle: an
 offline TP 1 engine of the same checkpoint. Topologies: prefill TP 2 -> decode TP 1, TP 1 ->
-TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint; both transfer backends
-among them (every TP pair runs over both in tests/transceiver/test_shards.py)."""
+TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint, and a Gated DeltaNet MoE
+checkpoint (Qwen3-Next) TP 2 with expert parallelism -> TP 1 and TP 1 -> TP 2; both transfer
+backends among them (every TP pair runs over both in tests/transceiver/test_shards.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ TOPOLOGIES = {
     "tp2-to-tp1-tcp": ("tiny", TP2, {}, "tcp"),
     "tp1-to-tp2-nixl": ("tiny", {}, TP2, "nixl"),
     "tp2ep-to-tp2ep-nixl": ("moe", EP2, EP2, "nixl"),
+    "gdn-tp2ep-to-tp1-tcp": ("gdn", EP2, {}, "tcp"),
+    "gdn-tp1-to-tp2-nixl": ("gdn", {}, TP2, "nixl"),
 }
 
 
@@ -40,19 +43,23 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory) -> str:
-    """A random NemotronH MoE checkpoint (4 experts, a shared expert) with the `tiny`
-    tokenizer, so text prompts and chat work."""
-    folder = tmp_path_factory.mktemp("moe")
-    make_hf_model("nemotron_h", vocab_size=259).save_pretrained(folder)
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Random MoE checkpoints with the `tiny` tokenizer, so text prompts and chat work:
+    NemotronH (4 experts, a shared expert) and Qwen3-Next (Gated DeltaNet, 4 experts, a gated
+    shared expert)."""
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tokenizer"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny / name, folder / name)
-    return str(folder)
+    folders = {}
+    for name, arch in (("moe", "nemotron_h"), ("gdn", "qwen3_next")):
+        folder = tmp_path_factory.mktemp(name)
+        make_hf_model(arch, vocab_size=259).save_pretrained(folder)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny / file, folder / file)
+        folders[name] = str(folder)
+    return folders
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def deployment(request, service: Service, moe_checkpoint: str) -> Iterator[Deployment]:
+def deployment(request, service: Service, checkpoints: dict[str, str]) -> Iterator[Deployment]:
     from urllib.parse import urlsplit
 
     from ray import serve
@@ -60,7 +67,7 @@ def deployment(request, service: Service, moe_checkpoint: str) -> Iterator[Deplo
     from hybridserve.cluster.control import local
 
     model, prefill, decode, backend = TOPOLOGIES[request.param]
-    model = moe_checkpoint if model == "moe" else model
+    model = checkpoints.get(model, model)
     config = {
         "model": model,
         "num_prefill": 1,

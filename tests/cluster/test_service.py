@@ -314,7 +314,7 @@ def test_metrics_expose_request_and_hybrid_counters(service):
     ):
         assert name in text, name
     # The leak detectors, per engine: 0 with nothing running.
-    for name in ("kv_blocks_in_use", "mamba_slots_in_use", "transfers_in_flight", "handoffs_held"):
+    for name in ("kv_blocks_in_use", "state_slots_in_use", "transfers_in_flight", "handoffs_held"):
         values = [
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

@@ -8,7 +8,9 @@ for each caching configuration, the turns are replayed in a shuffled order, each
 (max_tokens 1) right before its full prompt, and every full prompt's greedy tokens must equal
 the reference.
 
-Runs on tiny random checkpoints of every architecture; set HYBRIDSERVE_CONFORMANCE_MODEL to an
+Runs on tiny random checkpoints of every architecture (the Qwen3.5 image-text checkpoint is the
+text model's weights in other names: its loading and outputs are checked in
+tests/workers/test_parity.py); set HYBRIDSERVE_CONFORMANCE_MODEL to an
 HF checkpoint folder to run it against that model instead. One configuration per architecture
 also runs at tensor_parallel_size 2 (the same transcripts: TP 1 without reuse is the oracle).
 """
@@ -32,16 +34,16 @@ WARM = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 COMMON = {"block_size": 16, "max_num_seqs": 8}
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "interval-only": {"mamba_snapshot_interval": 32, "mamba_save_last_snapshot": False},
-    "save-last-only": {"mamba_snapshot_interval": 0, "mamba_save_last_snapshot": True},
-    "interval-and-save-last": {"mamba_snapshot_interval": 48},
-    "partial-reuse-off": {"mamba_snapshot_interval": 48, "enable_partial_reuse": False},
-    "budget-below-interval": {"mamba_snapshot_interval": 64, "max_num_batched_tokens": 32},
+    "interval-only": {"snapshot_interval": 32, "save_last_snapshot": False},
+    "save-last-only": {"snapshot_interval": 0, "save_last_snapshot": True},
+    "interval-and-save-last": {"snapshot_interval": 48},
+    "partial-reuse-off": {"snapshot_interval": 48, "enable_partial_reuse": False},
+    "budget-below-interval": {"snapshot_interval": 64, "max_num_batched_tokens": 32},
     "eviction": {
-        "mamba_snapshot_interval": 32,
+        "snapshot_interval": 32,
         "num_kv_blocks": 40,
         "max_model_len": 512,
-        "num_mamba_slots": COMMON["max_num_seqs"] + 6,
+        "num_state_slots": COMMON["max_num_seqs"] + 6,
     },
 }
 # At tensor_parallel_size 2: one configuration per architecture, each stressing another path.
@@ -49,8 +51,12 @@ TP_CONFIGS = {
     "nemotron_h": "eviction",
     "bamba": "interval-and-save-last",
     "granitemoehybrid": "budget-below-interval",
+    "qwen3_next": "eviction",
+    "qwen3_5": "budget-below-interval",
+    "qwen3_5_moe": "save-last-only",
     "given": "interval-and-save-last",
 }
+CONFORMANCE_ARCHITECTURES = tuple(arch for arch in ARCHITECTURES if arch != "qwen3_5_vl")
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ def build_transcripts(model: str) -> list[Turn]:
 
 @pytest.fixture(
     scope="module",
-    params=ARCHITECTURES if not os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL") else ["given"],
+    params=CONFORMANCE_ARCHITECTURES
+    if not os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
+    else ["given"],
 )
 def transcripts(request, tmp_path_factory) -> tuple[str, str, list[Turn]]:
     model = os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
@@ -113,7 +121,7 @@ def test_first_turns_sent_together_share_their_system_prompt_and_equal_no_reuse(
     compute the same tokens beside it, and every answer is still the reference's."""
     _, model, turns = transcripts
     firsts = [turn for turn in turns if turn.index == 0]
-    interval = CONFIGS["interval-only"]["mamba_snapshot_interval"]
+    interval = CONFIGS["interval-only"]["snapshot_interval"]
     with LLM(model, **COMMON | CONFIGS["interval-only"]) as llm:
         outputs = llm.generate([turn.prompt for turn in firsts], GREEDY, use_tqdm=False)
         leaders: set[tuple[int, ...]] = set()
@@ -123,6 +131,22 @@ def test_first_turns_sent_together_share_their_system_prompt_and_equal_no_reuse(
             if system in leaders:
                 assert out.num_cached_tokens >= len(system) // interval * interval > 0
             leaders.add(system)
+        assert_pools_at_baseline(llm.engine)
+
+
+def test_a_prompt_shorter_than_a_block_reuses_its_save_last_snapshot(transcripts):
+    """The cliff block-granular caches have (nothing below a block, or below the state's page
+    size, is ever reused): here a 10-token prompt's snapshot at its end serves a longer prompt
+    that starts with it, inside the first 16-token block."""
+    _, model, turns = transcripts
+    short = turns[0].prompt[:10]
+    longer = [*short, *turns[1].prompt[:6]]
+    (expected,) = LLM(model, enable_prefix_caching=False, **COMMON).generate([longer], GREEDY)
+    with LLM(model, snapshot_interval=0, **COMMON) as llm:
+        llm.generate([short], GREEDY, use_tqdm=False)
+        (out,) = llm.generate([longer], GREEDY, use_tqdm=False)
+        assert out.num_cached_tokens == len(short)
+        assert out.token_ids == expected.token_ids
         assert_pools_at_baseline(llm.engine)
 
 
@@ -145,11 +169,11 @@ def replay(llm: LLM, turns: list[Turn], config_name: str) -> None:
             # The base's prompt-end snapshot is the deepest usable one.
             assert out.num_cached_tokens == len(turn.base), (turn.conversation, turn.index)
         elif config_name != "eviction":
-            interval = config["mamba_snapshot_interval"]
+            interval = config["snapshot_interval"]
             assert out.num_cached_tokens >= len(turn.base) // interval * interval
             if not config.get("enable_partial_reuse", True):
                 assert out.num_cached_tokens % COMMON["block_size"] == 0
-            elif config.get("mamba_save_last_snapshot", True):
+            elif config.get("save_last_snapshot", True):
                 assert out.num_cached_tokens >= len(turn.base)
         llm.engine.check_integrity()
     stats = llm.engine.cache.stats

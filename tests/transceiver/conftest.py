@@ -65,7 +65,7 @@ def _is_clean(engine: Engine) -> bool:
         not engine.has_unfinished_requests()
         and not engine.has_pending_transfers()
         and cache.num_free_blocks == engine.num_kv_blocks
-        and cache.num_free_slots == cache.mamba.num_live_slots
+        and cache.num_free_slots == cache.recurrent.num_live_slots
     )
 
 

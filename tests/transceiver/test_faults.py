@@ -327,7 +327,7 @@ def test_stale_or_out_of_range_destinations_are_refused_and_nothing_else_is_writ
     assert link.send(first).status == "acked"
     with link.decode_lock:
         caches = link.decode.caches
-        before = (caches.kv.clone(), caches.conv.clone(), caches.ssm.clone())
+        before = {kind: pool.clone() for kind, pool in caches.pools().items()}
     outcome = link.send(second)
     assert outcome.status == "failed"
     # The receiver named the reason when it refused (the sender only saw the link drop).
@@ -337,8 +337,9 @@ def test_stale_or_out_of_range_destinations_are_refused_and_nothing_else_is_writ
     # have filled those (they are r1's, now quarantined); nothing else may have changed.
     planned = backends[0].sent[1]
     with link.decode_lock:
-        for kind, old in zip(("kv", "conv", "ssm"), before, strict=True):
-            new = getattr(caches, kind)
+        assert set(before) == {"kv", "conv", "ssm"}
+        for kind, old in before.items():
+            new = caches.pools()[kind]
             untouched = torch.ones(new.shape[0], dtype=torch.bool)
             untouched[[c.dst for c in planned if c.kind == kind]] = False
             assert torch.equal(new[untouched], old[untouched]), (case, kind)

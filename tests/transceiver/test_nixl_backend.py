@@ -41,7 +41,7 @@ def make_backend(num_streams: int, seed: int | None) -> NixlBackend:
     pool = torch.zeros(NUM_REGIONS, REGION_BYTES, dtype=torch.uint8)
     if seed is not None:
         pool.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    return NixlBackend(Pools(pool, None, None), num_streams)
+    return NixlBackend(Pools({"kv": pool}), num_streams)
 
 
 @pytest.mark.parametrize(("sender_streams", "receiver_streams"), [(1, 2), (2, 1), (3, 2)])
@@ -65,7 +65,7 @@ def test_every_region_lands_whatever_the_stream_counts(sender_streams, receiver_
         receiver.receive(None, from_sender, "req-1", copies(pairs), timeout=10)
         thread.join(10)
         assert errors == [] and not thread.is_alive()
-        src, dst = sender.pools.kv, receiver.pools.kv
+        src, dst = sender.pools.tensors["kv"], receiver.pools.tensors["kv"]
         for s, d in pairs:
             assert torch.equal(dst[d], src[s]), (s, d)
         assert not dst[11].any()
@@ -123,7 +123,9 @@ def test_a_failed_part_fails_the_send_once_every_part_has_ended(monkeypatch):
         assert ended == [b"req-2#1/2"]  # the healthy part finished before the send raised
         thread.join(10)
         assert len(received) == 1 and "part 1 of 2" in str(received[0])
-        assert torch.equal(receiver.pools.kv[3:6], sender.pools.kv[3:6])  # part 1 landed
+        assert torch.equal(
+            receiver.pools.tensors["kv"][3:6], sender.pools.tensors["kv"][3:6]
+        )  # part 1 landed
     finally:
         sender.close()
         receiver.close()
@@ -215,7 +217,9 @@ def test_a_nixl_peer_stays_known_until_its_last_link_closes():
         thread.join(10)
         assert landed == [] and not thread.is_alive()
         for src, dst in pairs:
-            assert bool((receiver.pools.kv[dst] == sender.pools.kv[src]).all())
+            assert bool(
+                (receiver.pools.tensors["kv"][dst] == sender.pools.tensors["kv"][src]).all()
+            )
         sender.remove_peer(second)
         assert sender.peers == {}
     finally:

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from hybridserve.transceiver import protocol
-from hybridserve.transceiver.layout import PeerLayout
+from hybridserve.transceiver.layout import PeerLayout, StateTensorLayout
 from hybridserve.transceiver.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -42,20 +42,18 @@ LAYOUT = PeerLayout(
     model_id="0123456789abcdef",
     tp_size=2,
     tp_rank=1,
-    layer_kinds=("mamba", "attention", "mlp", "mamba"),
+    layer_kinds=("gdn", "attention", "mlp", "gdn"),
     kv_heads_per_layer=(0, 1, 0, 0),
     num_kv_heads=2,
     block_size=16,
     head_dim=32,
     kv_dtype="torch.bfloat16",
-    conv_sections=(64, 16, 16),
-    mamba_groups=2,
-    conv_width=3,
-    conv_dtype="torch.bfloat16",
-    ssm_heads=4,
-    ssm_head_dim=32,
-    ssm_state_size=16,
-    ssm_dtype="torch.float32",
+    state_kind="gdn",
+    num_state_layers=2,
+    state_tensors=(
+        StateTensorLayout("conv", "torch.bfloat16", ((48, 2), (48, 2), (80, 8)), (3,)),
+        StateTensorLayout("recurrent", "torch.float32", ((8, 8),), (24, 10)),
+    ),
 )
 
 MESSAGES = [
@@ -129,19 +127,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 5, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 6, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "05"  # "v": 5
+        "a176" "06"  # "v": 6
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 5,
+        "v": 6,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -155,7 +153,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(4, "protocol version 4 is not 5"), (None, "protocol version None")]
+    ("version", "shown"), [(5, "protocol version 5 is not 6"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))

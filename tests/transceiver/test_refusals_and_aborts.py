@@ -99,15 +99,21 @@ def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expe
 # ---- layout mismatch ------------------------------------------------------------------------
 
 
-def test_a_layout_mismatch_fails_the_handshake_and_holds_nothing(make_link):
-    """The SSM state dtypes differ (SGLang #36371 accepted this and corrupted the state)."""
-    link = make_link(decode_args={"mamba_ssm_dtype": "bfloat16"})
+@pytest.mark.parametrize(
+    ("decode_args", "tensor"),
+    [({"recurrent_state_dtype": "bfloat16"}, "ssm"), ({"conv_state_dtype": "bfloat16"}, "conv")],
+)
+def test_a_layout_mismatch_fails_the_handshake_and_holds_nothing(make_link, decode_args, tensor):
+    """A state tensor's dtypes differ (SGLang #36371 accepted this for the SSM state and
+    corrupted it)."""
+    link = make_link(decode_args=decode_args)
     assert link.prefill.layout.compatibility_hash() != link.decode.layout.compatibility_hash()
     outcomes = link.transfer(SPECS[:2])
     assert [o.status for o in outcomes] == ["failed", "failed"]
     for outcome in outcomes:
         assert "peer layout is incompatible" in outcome.detail
-        assert "ssm_dtype: local 'torch.bfloat16' vs peer 'torch.float32'" in outcome.detail
+        assert f"['{tensor}', 'torch.bfloat16'" in outcome.detail.split(" vs peer ")[0]
+        assert f"['{tensor}', 'torch.float32'" in outcome.detail.split(" vs peer ")[1]
     link.assert_at_baseline()
 
 

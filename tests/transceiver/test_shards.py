@@ -28,30 +28,52 @@ from hybridserve.transceiver.shards import (
 from hybridserve.transceiver.tp_mapping import shard, state_geometry
 from hybridserve.workers import EngineConfig
 from hybridserve.workers.disaggregation.layout import peer_layout
+from hybridserve.workers.models.config import ConfigReader, HybridModelConfig
 from hybridserve.workers.models.loader import read_model_config
+from hybridserve.workers.models.qwen3_next import Qwen3NextAdapter
 from tests.helpers import TRANSFER_SECRET
 
-MODEL = read_model_config("tiny")  # 2 KV heads, 8 Mamba heads, 2 groups
+# A Mamba2 hybrid (tiny: 2 KV heads, 8 Mamba heads, 2 groups) and a Gated DeltaNet one (2 KV
+# heads, 2 key heads replicated at TP 4, 4 value heads): every state tensor of either kind
+# moves by its description alone.
+GDN_CONFIG = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 48,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 12,
+    "linear_value_head_dim": 10,
+}
+MODELS = {
+    "mamba2": read_model_config("tiny"),
+    "gdn": Qwen3NextAdapter().parse_config(ConfigReader(GDN_CONFIG, "gdn/config.json")),
+}
 NUM_BLOCKS, NUM_SLOTS = 6, 3
 SRC_BLOCKS, SRC_SLOT = [4, 1, 3], 2
 DST_BLOCKS, DST_SLOT = [0, 5, 2], 1
-AXIS = {"kv": 3, "conv": 2, "ssm": 2}  # the split axis in a pool (after the block / slot index)
 
 
-def layouts(tp: int) -> list[PeerLayout]:
+def layouts(model: HybridModelConfig, tp: int) -> list[PeerLayout]:
     config = EngineConfig(tensor_parallel_size=tp, distributed_executor_backend="mp")
-    return [peer_layout(MODEL, config, rank) for rank in range(tp)]
+    return [peer_layout(model, config, rank) for rank in range(tp)]
 
 
-def full_state(seed: int) -> dict[str, torch.Tensor]:
+def full_state(model: HybridModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Unsharded pools (every value distinct per kind, so a misplaced byte shows)."""
-    attention, mamba = MODEL.attention, MODEL.mamba
-    assert attention is not None and mamba is not None
-    shapes = {
-        "kv": (NUM_BLOCKS, MODEL.num_attention_layers, 2, attention.num_kv_heads, 16, 32),
-        "conv": (NUM_SLOTS, MODEL.num_mamba_layers, mamba.conv_dim, mamba.conv_kernel - 1),
-        "ssm": (NUM_SLOTS, MODEL.num_mamba_layers, mamba.num_heads, 32, mamba.state_size),
-    }
+    attention, state = model.attention, model.recurrent_state
+    assert attention is not None and state is not None
+    kv = (model.num_attention_layers, 2, attention.num_kv_heads, 16, attention.head_dim)
+    shapes = {"kv": (NUM_BLOCKS, *kv)}
+    for tensor in state.tensors:
+        rows = sum(section.size for section in tensor.sections)
+        shapes[tensor.name] = (NUM_SLOTS, model.num_recurrent_layers, rows, *tensor.row_shape)
     generator = torch.Generator().manual_seed(seed)
     return {
         kind: torch.randperm(torch.Size(shape).numel(), generator=generator).float().reshape(shape)
@@ -60,12 +82,17 @@ def full_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def rank_pools(full: dict[str, torch.Tensor], layout: PeerLayout) -> Pools:
+    """A rank's shard of every pool: KV heads are axis 3 of the KV pool, a state tensor's
+    rows axis 2 of its pool (after the block / slot index and the layer)."""
     geometry = state_geometry(layout)
-    parts = {
-        kind: shard(tensor, AXIS[kind], geometry[kind][0], layout.tp_size, layout.tp_rank)
-        for kind, tensor in full.items()
-    }
-    return Pools(parts["kv"].contiguous(), parts["conv"].contiguous(), parts["ssm"].contiguous())
+    return Pools(
+        {
+            kind: shard(
+                tensor, 3 if kind == "kv" else 2, geometry[kind][0], layout.tp_size, layout.tp_rank
+            ).contiguous()
+            for kind, tensor in full.items()
+        }
+    )
 
 
 @dataclass
@@ -114,11 +141,13 @@ def request(request_id: str) -> TransferRequest:
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 2), (1, 4), (4, 2)])
-def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_transfer_lands_every_decode_rank_s_shards(kind, backend, src_tp, dst_tp):
     if backend == "nixl":
         pytest.importorskip("nixl._api", reason="the nixl package is not installed here")
-    source = full_state(seed=src_tp * 10 + dst_tp)
-    src_layouts, dst_layouts = layouts(src_tp), layouts(dst_tp)
+    model = MODELS[kind]
+    source = full_state(model, seed=src_tp * 10 + dst_tp)
+    src_layouts, dst_layouts = layouts(model, src_tp), layouts(model, dst_tp)
     before = {k: torch.full_like(t, -1.0) for k, t in source.items()}  # the decode side's pools
     src_pools = [rank_pools(source, layout) for layout in src_layouts]
     dst_pools = [rank_pools(before, layout) for layout in dst_layouts]
@@ -165,15 +194,15 @@ def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
         for layout, pools in zip(dst_layouts, dst_pools, strict=True):
             expected = rank_pools(source, layout)
             untouched = rank_pools(before, layout)
-            for kind, index, src_index in (
-                ("kv", DST_BLOCKS, SRC_BLOCKS),
-                ("conv", [DST_SLOT], [SRC_SLOT]),
-                ("ssm", [DST_SLOT], [SRC_SLOT]),
-            ):
-                got, want = getattr(pools, kind), getattr(expected, kind)
-                assert torch.equal(got[index], want[src_index]), (kind, layout.tp_rank)
+            assert set(pools.tensors) == {"kv", *model.recurrent_state.names}
+            for region, got in pools.tensors.items():
+                index, src_index = (
+                    (DST_BLOCKS, SRC_BLOCKS) if region == "kv" else ([DST_SLOT], [SRC_SLOT])
+                )
+                want = expected.tensors[region]
+                assert torch.equal(got[index], want[src_index]), (region, layout.tp_rank)
                 others = [i for i in range(got.shape[0]) if i not in index]
-                assert torch.equal(got[others], getattr(untouched, kind)[others]), kind
+                assert torch.equal(got[others], untouched.tensors[region][others]), region
     finally:
         sender.close_link()
         receiver.close()
@@ -186,8 +215,9 @@ def test_a_transfer_lands_every_decode_rank_s_shards(backend, src_tp, dst_tp):
 def test_a_shard_nobody_expects_is_refused_and_the_transfer_fails_cleanly():
     """The decode side lands only what its own plan says: a sender whose rank 1 targets a
     request the decode ranks were never armed for closes that link, and the transfer fails."""
-    src_layouts, dst_layouts = layouts(2), layouts(1)
-    source = full_state(seed=3)
+    model = MODELS["mamba2"]
+    src_layouts, dst_layouts = layouts(model, 2), layouts(model, 1)
+    source = full_state(model, seed=3)
     src_pools = [rank_pools(source, layout) for layout in src_layouts]
     dst_pools = rank_pools({k: torch.zeros_like(t) for k, t in source.items()}, dst_layouts[0])
     dst_backend = create_backend("tcp", dst_pools, 1)
@@ -213,7 +243,21 @@ def test_a_shard_nobody_expects_is_refused_and_the_transfer_fails_cleanly():
                     [shard_receiver.address],
                 )
                 time.sleep(0.05)
-        assert torch.count_nonzero(dst_pools.kv) == 0  # nothing landed
+        assert torch.count_nonzero(dst_pools.tensors["kv"]) == 0  # nothing landed
     finally:
         rank1.close()
         shard_receiver.close()
+
+
+def test_a_gated_deltanet_layout_is_one_model_at_every_tp_size():
+    """Its state tensors carry the model's sections: every rank of TP 1, 2 and 4 has one hash,
+    and each rank's rows follow the units (at TP 4 the 2 key heads are replicated: every rank
+    holds one whole key head of q and of k, and one value head)."""
+    model = MODELS["gdn"]
+    hashes = {layout.compatibility_hash() for tp in (1, 2, 4) for layout in layouts(model, tp)}
+    assert len(hashes) == 1
+    assert hashes.isdisjoint({layouts(MODELS["mamba2"], 1)[0].compatibility_hash()})
+    conv, recurrent = layouts(model, 4)[3].state_tensors
+    assert (conv.name, recurrent.name) == ("conv", "recurrent")
+    assert conv.local_rows(4) == 12 + 12 + 10 and recurrent.local_rows(4) == 1
+    assert conv.local_rows(1) == 24 + 24 + 40 and recurrent.row_shape == (12, 10)

@@ -20,12 +20,12 @@ def live_state_after(prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     slot = 0  # the only request got the lowest live slot
     assert not engine.has_unfinished_requests(), request_id
     caches = engine.caches
-    return caches.conv[slot].clone(), caches.ssm[slot].clone()
+    return caches.state["conv"][slot].clone(), caches.state["ssm"][slot].clone()
 
 
 @pytest.mark.parametrize("position", [75, 64, 48, 16])
 def test_snapshot_equals_recomputed_state(position):
-    engine = Engine(EngineConfig(mamba_snapshot_interval=16, mamba_save_last_snapshot=True))
+    engine = Engine(EngineConfig(snapshot_interval=16, save_last_snapshot=True))
     engine.add_request(PROMPT, ONE)
     while engine.has_unfinished_requests():
         engine.step()
@@ -35,13 +35,13 @@ def test_snapshot_equals_recomputed_state(position):
     assert snapshot is not None and snapshot.slot is not None
     caches = engine.caches
     conv, ssm = live_state_after(PROMPT[:position])
-    assert (caches.conv[snapshot.slot] - conv).abs().max() <= 1e-5
-    assert (caches.ssm[snapshot.slot] - ssm).abs().max() <= 1e-5
+    assert (caches.state["conv"][snapshot.slot] - conv).abs().max() <= 1e-5
+    assert (caches.state["ssm"][snapshot.slot] - ssm).abs().max() <= 1e-5
     assert_pools_at_baseline(engine)
 
 
 def test_restore_copies_the_snapshot_into_the_live_slot():
-    engine = Engine(EngineConfig(mamba_snapshot_interval=32))
+    engine = Engine(EngineConfig(snapshot_interval=32))
     engine.add_request(PROMPT, ONE)
     while engine.has_unfinished_requests():
         engine.step()
@@ -52,8 +52,12 @@ def test_restore_copies_the_snapshot_into_the_live_slot():
     allocation = engine.cache.allocate(request, 3, reuse)
     assert allocation is not None and allocation.reused_tokens == 75
     caches = engine.caches
-    assert torch.equal(caches.ssm[allocation.live_slot], caches.ssm[reuse.snapshot.slot])
-    assert torch.equal(caches.conv[allocation.live_slot], caches.conv[reuse.snapshot.slot])
+    assert torch.equal(
+        caches.state["ssm"][allocation.live_slot], caches.state["ssm"][reuse.snapshot.slot]
+    )
+    assert torch.equal(
+        caches.state["conv"][allocation.live_slot], caches.state["conv"][reuse.snapshot.slot]
+    )
     engine.cache.free(request)
     assert_pools_at_baseline(engine)
 

@@ -8,16 +8,16 @@ It answers these questions, each in one method:
 - what becomes reusable after this step?           `commit`
 
 The prefix tree is shared: a node is one block of one prefix and carries each kind's page (a
-KV block for attention, at most one snapshot for Mamba). Each kind's manager owns its pools and
-says, for a tree match, how deep it can reuse; the hybrid rule is their intersection:
+KV block for attention, at most one recurrent state snapshot). Each kind's manager owns its
+pools and says, for a tree match, how deep it can reuse; the hybrid rule is their intersection:
 
-    attention (AttentionBlockManager):  any prefix of the match   [0 ............... A]
-    Mamba (MambaStateManager):          exact snapshot positions        s1      s2   s3
+    attention (AttentionBlockManager):    any prefix of the match   [0 ............... A]
+    recurrent (RecurrentStateManager):    exact snapshot positions        s1      s2   s3
     reuse R = the deepest snapshot position <= A                            = s2 (s3 > A)
 
     prompt:      [ reused: R tokens              | computed from the snapshot ... | last ]
     KV blocks:   [ shared tree blocks | CoW copy ][ new private blocks ...              ]
-    Mamba state: snapshot(R) copied into the live slot, then advanced chunk by chunk
+    state:       snapshot(R) copied into the live slot, then advanced chunk by chunk
 
 Nothing here touches a tensor: data moves are logged as ops (`ops.py`) that the scheduler puts
 into the next step plan. See docs/snapshot-reuse.md for the rules and worked numbers.
@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 
 from hybridserve.workers.cache.attention import AttentionBlockManager
 from hybridserve.workers.cache.events import BlockRemoved, BlockStored, CacheEvent
-from hybridserve.workers.cache.mamba import MambaStateManager
 from hybridserve.workers.cache.ops import CacheOp, CacheOpLog, CopySlot
 from hybridserve.workers.cache.prefix_tree import PrefixTree, Snapshot, TreeNode
+from hybridserve.workers.cache.recurrent import RecurrentStateManager
 from hybridserve.workers.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class PrefixCachingConfig:
     partial_reuse: bool = True
     offsets_from_start: tuple[int, ...] = ()
     offsets_from_end: tuple[int, ...] = ()
-    # False for a model without Mamba layers: any attention match is then reusable.
+    # False for a model without recurrent layers: any attention match is then reusable.
     requires_snapshot: bool = True
     # Publish a finished request's prompt + output and the state after them (the next turn
     # of a conversation extends exactly that sequence).
@@ -137,7 +137,7 @@ class CacheCoordinator:
             num_host_blocks=host_blocks,
             on_unbacked=self._remove_subtree,
         )
-        self.mamba = MambaStateManager(
+        self.recurrent = RecurrentStateManager(
             num_live_slots, num_snapshot_slots, self.ops, self._events, num_host_slots=host_slots
         )
         self.stats = CacheStats()
@@ -160,7 +160,7 @@ class CacheCoordinator:
 
     @property
     def num_free_slots(self) -> int:
-        return self.mamba.live.num_free
+        return self.recurrent.live.num_free
 
     # ---- 1. snapshot points ---------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class CacheCoordinator:
             beyond = match.levels[len(path) :]
             nodes = path + ((beyond[0][0].node,) if beyond else ())
             return Reuse(attention_len, nodes, None, attention_len, len(lookup))
-        hit = self.mamba.longest_hit(match, attention_len, partial=self.prefix.partial_reuse)
+        hit = self.recurrent.longest_hit(match, attention_len, partial=self.prefix.partial_reuse)
         if hit is None:
             return Reuse(0, (), None, attention_len, len(lookup))
         nodes = (*path[: hit.node.ordinal], hit.node)
@@ -246,26 +246,26 @@ class CacheCoordinator:
         request_id = request.request_id
         if reuse is not None and reuse.num_tokens > 0:
             return self._allocate_with_reuse(request, num_new_tokens, reuse)
-        needs_slot = not self.mamba.has_slot(request_id)
-        if needs_slot and not self.mamba.can_allocate():
+        needs_slot = not self.recurrent.has_slot(request_id)
+        if needs_slot and not self.recurrent.can_allocate():
             return None
         num_tokens = request.num_computed_tokens + num_new_tokens
         new_ids = self.attention.allocate(request_id, num_tokens)
         if new_ids is None:
             return None
         if not needs_slot:
-            return Allocation(new_ids, self.mamba.live_slot(request_id))
+            return Allocation(new_ids, self.recurrent.live_slot(request_id))
         self._requests[request_id] = _RequestCache()
         if reuse is not None and self.prefix.enabled:
             self._record_lookup(reuse, request)
-        return Allocation(new_ids, self.mamba.allocate(request_id))
+        return Allocation(new_ids, self.recurrent.allocate(request_id))
 
     def _allocate_with_reuse(
         self, request: Request, num_new_tokens: int, reuse: Reuse
     ) -> Allocation | None:
         reused = reuse.num_tokens
         if not (
-            self.mamba.can_allocate()
+            self.recurrent.can_allocate()
             and self.attention.can_take(reuse.nodes, reused, reused + num_new_tokens)
         ):
             return None
@@ -273,9 +273,9 @@ class CacheCoordinator:
             request.request_id, reuse.nodes, reused, reused + num_new_tokens
         )
         # The live slot starts as a copy of the snapshot at R.
-        live_slot = self.mamba.allocate(request.request_id)
+        live_slot = self.recurrent.allocate(request.request_id)
         if reuse.snapshot is not None:
-            self.mamba.restore(reuse.snapshot, live_slot)
+            self.recurrent.restore(reuse.snapshot, live_slot)
         request.num_computed_tokens = reused
         if request.num_preemptions == 0:
             request.num_cached_tokens = reused
@@ -317,28 +317,28 @@ class CacheCoordinator:
             if node.block_id is None:
                 break  # only on the host: cheaper to receive it again
             held.append(node)
-        if not self.mamba.can_allocate():
+        if not self.recurrent.can_allocate():
             return None
         new_ids = self.attention.take_received(request.request_id, held, num_tokens)
         if new_ids is None:
             return None
-        slot = self.mamba.allocate(request.request_id)
+        slot = self.recurrent.allocate(request.request_id)
         self._requests[request.request_id] = _RequestCache(held, len(held) * self.block_size)
         return len(held), Allocation(new_ids, slot)
 
     def fork(self, request: Request, child: Request) -> bool:
         """Choice `child` of an n > 1 request continues from exactly `request`'s state: the KV
-        of its computed tokens (attention.fork) and a copy of its live Mamba state in a slot
+        of its computed tokens (attention.fork) and a copy of its live recurrent state in a slot
         of its own, so the prompt is computed once. False (nothing held) if the pools are
         short."""
-        if not self.mamba.can_allocate():
+        if not self.recurrent.can_allocate():
             return False
         if not self.attention.fork(
             request.request_id, child.request_id, request.num_computed_tokens
         ):
             return False
-        slot = self.mamba.allocate(child.request_id)
-        self.ops.append(CopySlot(self.mamba.live_slot(request.request_id), slot))
+        slot = self.recurrent.allocate(child.request_id)
+        self.ops.append(CopySlot(self.recurrent.live_slot(request.request_id), slot))
         state = self._requests[request.request_id]
         self._requests[child.request_id] = _RequestCache(
             list(state.path), state.num_committed_tokens, state.snapshot
@@ -348,14 +348,14 @@ class CacheCoordinator:
     def rename(self, request_id: str, new_id: str) -> None:
         """Move everything `request_id` holds to `new_id` (e.g. a quarantine owner)."""
         self.attention.rename(request_id, new_id)
-        self.mamba.rename(request_id, new_id)
+        self.recurrent.rename(request_id, new_id)
         if request_id in self._requests:
             self._requests[new_id] = self._requests.pop(request_id)
 
     def free_owner(self, owner: str) -> None:
         """Release what an owner that is not a request (a quarantine) holds."""
         self.attention.free(owner)
-        self.mamba.free(owner)
+        self.recurrent.free(owner)
         self._requests.pop(owner, None)
 
     # ---- 4. commit ------------------------------------------------------------------------
@@ -409,8 +409,8 @@ class CacheCoordinator:
             parent = node
         state.num_committed_tokens = end
         if self.prefix.requires_snapshot:
-            live_slot = self.mamba.live_slot(request.request_id)
-            snapshot = self.mamba.save(parent, end - parent.start, live_slot)
+            live_slot = self.recurrent.live_slot(request.request_id)
+            snapshot = self.recurrent.save(parent, end - parent.start, live_slot)
             if snapshot is not None:
                 # NOTE: a deeper snapshot on the same path supersedes the request's previous
                 # one for anything that continues this sequence (the next turn of a
@@ -418,7 +418,7 @@ class CacheCoordinator:
                 # system prompt ends, where the other conversations with it fork.
                 previous = state.snapshot
                 if previous is not None and previous.position != request.system_prompt_len:
-                    self.mamba.demote(previous)
+                    self.recurrent.demote(previous)
                 state.snapshot = snapshot
 
     def _insert(self, parent: TreeNode, tokens: list[int], own_block: int) -> TreeNode | None:
@@ -431,7 +431,7 @@ class CacheCoordinator:
         # A longer block replaces shorter partial siblings, adopting their snapshot when it has
         # none or a shorter one (registered first, then the sibling goes).
         for sibling in self.tree.shorter_siblings(node):
-            self.mamba.adopt(sibling, node)
+            self.recurrent.adopt(sibling, node)
             self._remove_subtree(sibling)
         return node
 
@@ -441,12 +441,12 @@ class CacheCoordinator:
         return self.attention.block_table(request_id)
 
     def live_slot(self, request_id: str) -> int:
-        return self.mamba.live_slot(request_id)
+        return self.recurrent.live_slot(request_id)
 
     def free(self, request: Request) -> None:
         """Release everything the request holds; its committed blocks stay cached."""
         self.attention.free(request.request_id)
-        self.mamba.free(request.request_id)
+        self.recurrent.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
     def clear(self) -> None:
@@ -469,7 +469,7 @@ class CacheCoordinator:
         running request holds any of them (a request holds every node on its path)."""
         for member in node.subtree():
             self.attention.release_node(member)
-            self.mamba.release_node(member)
+            self.recurrent.release_node(member)
             self._events.append(BlockRemoved(member.key))
         self.tree.detach(node)
 
@@ -478,7 +478,7 @@ class CacheCoordinator:
     def check_integrity(self) -> None:
         """Recount every pool against its owners and the tree against its pages."""
         nodes = list(self.tree.nodes())
-        problems = self.attention.check_integrity(nodes) + self.mamba.check_integrity(nodes)
+        problems = self.attention.check_integrity(nodes) + self.recurrent.check_integrity(nodes)
         for request_id, state in self._requests.items():
             table = self.attention.block_table(request_id)
             for index, node in enumerate(state.path):

@@ -31,7 +31,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class SnapshotStored:
-    """A Mamba snapshot of the state after `coverage` tokens of this block now exists
+    """A snapshot of the recurrent state after `coverage` tokens of this block now exists
     (absolute position = block ordinal * block_size + coverage).
 
     `prefix_hash` keys the tokens the snapshot consumed in this block: the chain hash of the

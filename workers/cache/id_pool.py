@@ -1,4 +1,4 @@
-"""A fixed set of integer ids (KV blocks or Mamba slots) handed out and returned."""
+"""A fixed set of integer ids (KV blocks or state slots) handed out and returned."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 class IdPool:
     """Ids 0..size-1. Order "fifo": the id freed longest ago is reused first. Order "lowest":
-    the smallest free id first, which keeps live ids packed at the low end (Mamba slots: decode
+    the smallest free id first, which keeps live ids packed at the low end (state slots: decode
     rows then cover one contiguous run of the state pool)."""
 
     def __init__(self, name: str, size: int, order: Literal["fifo", "lowest"] = "fifo") -> None:

@@ -29,8 +29,8 @@ class CopyBlock:
 
 @dataclass(frozen=True, slots=True)
 class CopySlot:
-    """Mamba slot `src` (conv + SSM, every layer) into slot `dst`: a snapshot capture
-    (live -> snapshot) or a restore (snapshot -> live)."""
+    """State slot `src` (every state tensor, every recurrent layer) into slot `dst`: a snapshot
+    capture (live -> snapshot) or a restore (snapshot -> live)."""
 
     src: int
     dst: int
@@ -57,7 +57,7 @@ class LoadBlock:
 
 @dataclass(frozen=True, slots=True)
 class OffloadSlot:
-    """Device Mamba slot -> host-tier slot."""
+    """Device state slot -> host-tier slot."""
 
     slot: int
     host_slot: int
@@ -66,7 +66,7 @@ class OffloadSlot:
 
 @dataclass(frozen=True, slots=True)
 class LoadSlot:
-    """Host-tier slot -> device Mamba slot."""
+    """Host-tier slot -> device state slot."""
 
     host_slot: int
     slot: int

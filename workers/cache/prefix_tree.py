@@ -1,9 +1,9 @@
-"""The prefix tree: which token prefixes have KV blocks and Mamba snapshots here.
+"""The prefix tree: which token prefixes have KV blocks and recurrent state snapshots here.
 
 A node is one block of one prefix: up to `block_size` tokens under its parent, keyed by the
 chained block hash. Interior nodes are always full; a path may end in a partial node. A node
-may carry one Mamba snapshot: the state after `coverage` tokens of that block (absolute position
-ordinal * block_size + coverage), and only the latest (largest) coverage is kept per node.
+may carry one recurrent state snapshot: the state after `coverage` tokens of that block (absolute
+position ordinal * block_size + coverage), and only the latest (largest) coverage is kept per node.
 
     ordinal:     0          1          2
     path:    [ 32 tok ] [ 32 tok ] [ 12 tok ]     snapshot on node 2, coverage 12
@@ -29,7 +29,7 @@ MAX_SCANNED_CHILDREN = 32
 class Snapshot:
     node: TreeNode
     coverage: int
-    slot: int | None = None  # device slot in the Mamba state pool
+    slot: int | None = None  # device slot in the state pools
     host_slot: int | None = None  # or its copy in the host tier
 
     @property

@@ -47,32 +47,39 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV pool size in bytes (alternative to num_kv_blocks)"
     )
-    num_mamba_slots: int | None = Field(
+    num_state_slots: int | None = Field(
         None,
         ge=1,
-        description="Mamba state slots, live + snapshots; default max_num_seqs, plus "
-        "max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
+        description="recurrent state slots (Mamba2, Gated DeltaNet), live + snapshots; default "
+        "max_num_seqs, plus max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
     )
-    mamba_ssm_dtype: DType = Field("float32", description="dtype of the SSM state")
+    recurrent_state_dtype: DType = Field(
+        "float32",
+        description="dtype of the recurrent state (Mamba2's SSM state, Gated DeltaNet's "
+        "key x value state)",
+    )
+    conv_state_dtype: DType | None = Field(
+        None, description="dtype of the recurrent layers' conv windows; default: dtype"
+    )
     enable_prefix_caching: bool = Field(
-        True, description="reuse cached prompt prefixes (KV blocks + Mamba snapshots)"
+        True, description="reuse cached prompt prefixes (KV blocks + recurrent state snapshots)"
     )
-    mamba_snapshot_interval: int = Field(
-        512, ge=0, description="snapshot the Mamba state every N prompt tokens (0 = off)"
+    snapshot_interval: int = Field(
+        512, ge=0, description="snapshot the recurrent state every N prompt tokens (0 = off)"
     )
-    mamba_save_last_snapshot: bool = Field(
+    save_last_snapshot: bool = Field(
         True, description="snapshot at the prompt end (and a chat prompt's stable boundaries)"
     )
-    mamba_snapshot_turn_end: bool = Field(
+    snapshot_turn_end: bool = Field(
         False,
         description="when a request finishes, cache its prompt + output and a snapshot of the "
         "state after them (the next turn of a conversation resumes there); it replaces a "
         "prompt-end snapshot in the same block; the service turns it on for decode engines",
     )
-    mamba_snapshot_offsets_from_start: tuple[int, ...] = Field(
+    snapshot_offsets_from_start: tuple[int, ...] = Field(
         (), description="extra snapshot positions counted from the prompt start"
     )
-    mamba_snapshot_offsets_from_end: tuple[int, ...] = Field(
+    snapshot_offsets_from_end: tuple[int, ...] = Field(
         (), description="extra snapshot positions counted back from the prompt end"
     )
     enable_partial_reuse: bool = Field(
@@ -106,7 +113,7 @@ class EngineConfig(BaseModel):
         "decode: continue requests received from a prefill engine",
     )
     transfer_backend: Literal["tcp", "nixl"] = Field(
-        "tcp", description="how KV blocks and Mamba state move between engines"
+        "tcp", description="how KV blocks and recurrent state move between engines"
     )
     transfer_streams: int = Field(
         2,
@@ -182,20 +189,20 @@ class EngineConfig(BaseModel):
                     "max_num_batched_tokens or disable enable_prefix_caching"
                 )
             if not (
-                self.mamba_snapshot_interval
-                or self.mamba_save_last_snapshot
-                or self.mamba_snapshot_offsets_from_start
-                or self.mamba_snapshot_offsets_from_end
+                self.snapshot_interval
+                or self.save_last_snapshot
+                or self.snapshot_offsets_from_start
+                or self.snapshot_offsets_from_end
             ):
                 raise ValueError(
-                    "prefix caching with no Mamba snapshot points would never reuse anything: "
-                    "set mamba_snapshot_interval > 0 or mamba_save_last_snapshot=True"
+                    "prefix caching with no snapshot points would never reuse anything: "
+                    "set snapshot_interval > 0 or save_last_snapshot=True"
                 )
-        if self.num_mamba_slots is not None and self.num_mamba_slots < self.max_num_seqs:
+        if self.num_state_slots is not None and self.num_state_slots < self.max_num_seqs:
             raise ValueError(
-                f"num_mamba_slots ({self.num_mamba_slots}) is smaller than max_num_seqs "
+                f"num_state_slots ({self.num_state_slots}) is smaller than max_num_seqs "
                 f"({self.max_num_seqs}): every running request needs a live slot; raise "
-                "num_mamba_slots or lower max_num_seqs"
+                "num_state_slots or lower max_num_seqs"
             )
         self._check_parallelism()
         return self
@@ -234,6 +241,6 @@ class EngineConfig(BaseModel):
 
     @property
     def num_snapshot_slots(self) -> int:
-        if self.num_mamba_slots is not None:
-            return self.num_mamba_slots - self.max_num_seqs
+        if self.num_state_slots is not None:
+            return self.num_state_slots - self.max_num_seqs
         return max(2 * self.max_num_seqs, 64) if self.enable_prefix_caching else 0

@@ -69,13 +69,13 @@ class Engine:
         self.dead: str | None = None
         prefix = PrefixCachingConfig(
             enabled=config.enable_prefix_caching,
-            snapshot_interval=config.mamba_snapshot_interval,
-            save_last_snapshot=config.mamba_save_last_snapshot,
+            snapshot_interval=config.snapshot_interval,
+            save_last_snapshot=config.save_last_snapshot,
             partial_reuse=config.enable_partial_reuse,
-            offsets_from_start=config.mamba_snapshot_offsets_from_start,
-            offsets_from_end=config.mamba_snapshot_offsets_from_end,
-            requires_snapshot=self.model_config.num_mamba_layers > 0,
-            snapshot_turn_end=config.mamba_snapshot_turn_end,
+            offsets_from_start=config.snapshot_offsets_from_start,
+            offsets_from_end=config.snapshot_offsets_from_end,
+            requires_snapshot=self.model_config.num_recurrent_layers > 0,
+            snapshot_turn_end=config.snapshot_turn_end,
         )
         self.cache = CacheCoordinator(
             num_blocks=sizes.num_kv_blocks,
@@ -88,7 +88,7 @@ class Engine:
         )
         if prefix.enabled and config.num_snapshot_slots == 0 and prefix.requires_snapshot:
             logger.warning(
-                "prefix caching is on but num_mamba_slots leaves no snapshot slots: "
+                "prefix caching is on but num_state_slots leaves no snapshot slots: "
                 "nothing will be reusable"
             )
         self._sinks: list[CacheEventSink] = []

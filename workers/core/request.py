@@ -2,7 +2,7 @@
 
     token_ids: | prompt ........................ | output ...... |
                 0                  num_computed_tokens         num_tokens
-                [computed: KV + Mamba state exist)[to compute)
+                [computed: KV + recurrent state exist)[to compute)
 
 Each step the scheduler gives a request some of [num_computed_tokens, num_tokens); when a step
 brings num_computed_tokens to num_tokens, the model's last logits sample one more token.

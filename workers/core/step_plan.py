@@ -9,7 +9,7 @@ anything: first the cache ops, in order, then one forward pass over the chunks.
       chunks      one per scheduled request:
                     token_ids  the tokens [start, start + n) to compute this step
                     block_ids  its block table (token p lives in block p // block_size)
-                    slot       its live Mamba slot (the state after `start` tokens)
+                    slot       its live state slot (the state after `start` tokens)
                     sampling   how to sample its next token, when the chunk reaches the end
                                of the known tokens (None: a prompt chunk that does not)
                     prompt_logprobs  score the prompt tokens the chunk's rows predict

@@ -57,7 +57,7 @@ class UniExecutor(Executor):
         assert memory is not None
         self.sizes = PoolSizes(
             sizes.num_kv_blocks,
-            sizes.num_mamba_slots,
+            sizes.num_state_slots,
             memory.num_host_blocks,
             memory.num_host_slots,
         )

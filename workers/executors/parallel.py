@@ -9,6 +9,10 @@ layer and of the state pools. The rules (docs/tensor-parallel.md has the full ta
                 way (every rank holds the groups its heads read); in_proj sections z|x|B|C|dt
                 and conv channels x|B|C follow; the gated norm's groups are whole on a rank,
                 or summed across ranks when a group spans several
+    GDN         value heads split; key heads split when num_key_heads >= tp, else replicated
+                the same way (every rank holds the key heads its value heads read); in_proj
+                sections q|k|v|z|b|a and conv channels q|k|v follow; the gated norm is per
+                value head, so always whole on a rank
     MLP         column-parallel up, row-parallel down (one all-reduce)
     MoE         TP-MoE: every expert's intermediate dimension split; with expert parallelism:
                 experts partitioned over ranks (uneven counts allowed), shared expert split,
@@ -27,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from hybridserve.workers.models.config import AttentionSpec, HybridModelConfig, MambaSpec
+from hybridserve.workers.models.config import AttentionSpec, HybridModelConfig
 
 
 class Collectives(Protocol):
@@ -98,16 +102,6 @@ def local_kv_heads(spec: AttentionSpec, tp_size: int) -> int:
     return max(1, spec.num_kv_heads // tp_size)
 
 
-def local_mamba_groups(spec: MambaSpec, tp_size: int) -> int:
-    return max(1, spec.n_groups // tp_size)
-
-
-def local_conv_sections(spec: MambaSpec, tp_size: int) -> tuple[int, int, int]:
-    """Conv channels of x | B | C on one rank."""
-    group_state = local_mamba_groups(spec, tp_size) * spec.state_size
-    return spec.intermediate_size // tp_size, group_state, group_state
-
-
 def check_tensor_parallel(
     config: HybridModelConfig, tp_size: int, expert_parallel: bool = False
 ) -> None:
@@ -135,9 +129,12 @@ def check_tensor_parallel(
     if config.attention is not None:
         divides("num_attention_heads", config.attention.num_heads)
         split_or_replicate("num_key_value_heads", config.attention.num_kv_heads)
-    if config.mamba is not None:
-        divides("mamba num_heads", config.mamba.num_heads)
-        split_or_replicate("mamba n_groups", config.mamba.n_groups)
+    if config.mamba2 is not None:
+        divides("mamba num_heads", config.mamba2.num_heads)
+        split_or_replicate("mamba n_groups", config.mamba2.n_groups)
+    if config.gdn is not None:
+        divides("linear_num_value_heads", config.gdn.num_value_heads)
+        split_or_replicate("linear_num_key_heads", config.gdn.num_key_heads)
     if config.mlp is not None:
         divides("intermediate_size", config.mlp.intermediate_size)
     moe = config.moe

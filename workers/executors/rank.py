@@ -110,9 +110,9 @@ def pool_problems(runner: ModelRunner, sizes: PoolSizes) -> list[str]:
         problems.append(
             f"rank {rank} has {caches.kv.shape[0]} KV blocks, the engine {sizes.num_kv_blocks}"
         )
-    for name, pool in (("conv", caches.conv), ("ssm", caches.ssm)):
-        if pool is not None and pool.shape[0] != sizes.num_mamba_slots:
+    for name, pool in caches.state.items():
+        if pool.shape[0] != sizes.num_state_slots:
             problems.append(
-                f"rank {rank} has {pool.shape[0]} {name} slots, the engine {sizes.num_mamba_slots}"
+                f"rank {rank} has {pool.shape[0]} {name} slots, the engine {sizes.num_state_slots}"
             )
     return problems

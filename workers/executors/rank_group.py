@@ -213,13 +213,13 @@ class RankGroupExecutor(Executor):
         memory = self.driver.memory
         assert memory is not None
         host = [memory.num_host_blocks, memory.num_host_slots]
-        offer = PoolSizes(sizes.num_kv_blocks, sizes.num_mamba_slots, *host)
+        offer = PoolSizes(sizes.num_kv_blocks, sizes.num_state_slots, *host)
         self._store.set("sizes", msgpack.packb(asdict(offer)))
         for rank in range(1, self.world_size):
             got = msgpack.unpackb(self._wait_for(f"ready/{rank}", rank), raw=False)
             host = [min(a, b) for a, b in zip(host, got, strict=True)]
         # Every rank holds the same ids: the host tier is what the smallest rank got.
-        self.sizes = PoolSizes(sizes.num_kv_blocks, sizes.num_mamba_slots, *host)
+        self.sizes = PoolSizes(sizes.num_kv_blocks, sizes.num_state_slots, *host)
         self._device_group, self.channel = _join(self._store, parallel, self.driver.device)
 
     def _wait_for(self, key: str, rank: int) -> bytes:

@@ -1,4 +1,8 @@
-"""Softmax attention over the paged KV cache (GQA, optional RoPE).
+"""Softmax attention over the paged KV cache (GQA, optional RoPE, q/k norms, output gate).
+
+Gated attention (Qwen3-Next, Qwen3.5) has q_proj give each head its queries followed by as many
+gate logits, (heads, 2 * head_dim) rows; the attention output is multiplied by sigmoid(gate)
+before o_proj. Per-head q/k RMSNorms apply before RoPE.
 
 Under tensor parallelism each rank computes its share of the query heads. KV heads are split
 the same way when there are at least as many as ranks; with fewer (down to one, MQA) each rank
@@ -21,6 +25,7 @@ from hybridserve.workers.layers.linear import (
     RowParallelLinear,
     split_ranges,
 )
+from hybridserve.workers.layers.norm import RMSNorm
 from hybridserve.workers.layers.rope import RotaryEmbedding
 from hybridserve.workers.models.config import AttentionSpec
 from hybridserve.workers.runner.forward_batch import ForwardBatch, KVLayer
@@ -35,7 +40,10 @@ class Attention(nn.Module):
         parallel: ParallelContext,
         dtype: torch.dtype,
         device: torch.device | str | None,
+        norm_dtype: torch.dtype | None = None,
     ) -> None:
+        """`norm_dtype`: the q/k norms' weight dtype (float32 for zero-centred norms, whose
+        1 + w the loader computes in float32); default `dtype`."""
         super().__init__()
         self.num_heads = parallel.split(spec.num_heads, "num_attention_heads")
         self.head_dim = spec.head_dim
@@ -44,9 +52,15 @@ class Attention(nn.Module):
         kv_rows = parallel.piece(kv_size, spec.num_kv_heads)
         self.num_kv_heads = kv_rows[1] // spec.head_dim
         common = {"dtype": dtype, "device": device}
+        self.output_gate = spec.output_gate
+        q_rows = 2 * q_size if spec.output_gate else q_size  # whole heads per rank either way
         self.q_proj = ColumnParallelLinear(
-            hidden_size, split_ranges([q_size], parallel), spec.bias, **common
+            hidden_size, split_ranges([q_rows], parallel), spec.bias, **common
         )
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm_eps is not None:
+            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, norm_dtype or dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, norm_dtype or dtype, device)
         self.k_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
         self.v_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
         self.o_proj = RowParallelLinear(
@@ -58,9 +72,15 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVLayer) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, -1).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(batch.positions, q, k)
         # Through (pool, layer): a step the compiled path traces writes the pool in place.
@@ -92,4 +112,6 @@ class Attention(nn.Module):
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

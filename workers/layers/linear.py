@@ -37,6 +37,17 @@ def split_ranges(sections: Sequence[int], parallel: ParallelContext) -> Ranges:
     return tuple(ranges)
 
 
+def section_ranges(sections: Sequence[tuple[tuple[int, int], int]]) -> Ranges:
+    """This rank's rows of a tensor made of sections laid end to end: for each section, the
+    (offset, length) this rank holds within it and the section's full size, e.g. Mamba2's
+    in_proj z | x | B | C | dt, each cut for this rank on its own."""
+    ranges, start = [], 0
+    for (offset, length), size in sections:
+        ranges.append((start + offset, length))
+        start += size
+    return tuple(ranges)
+
+
 def shard_tensor(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """The part of a full checkpoint tensor that belongs in `param` on this rank."""
     dim = getattr(param, "shard_dim", None)

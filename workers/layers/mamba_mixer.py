@@ -1,6 +1,7 @@
 """Mamba2 mixer: in_proj -> causal conv -> selective scan -> gated RMSNorm -> out_proj.
 
-State per sequence lives in a Mamba slot (conv window + SSM state for this layer). Decode rows
+State per sequence lives in a state slot (this layer's conv window and SSM state: the Mamba2
+kind of models/recurrent_state.py). Decode rows
 advance it by one token with the single-step kernels; prefill sequences run the varlen conv and
 chunked scan, starting from zero (first chunk) or from the live slot (every later chunk).
 
@@ -30,9 +31,10 @@ from hybridserve.workers.layers.linear import (
     RowParallelLinear,
     mark_shard,
     new_param,
+    section_ranges,
 )
 from hybridserve.workers.models.config import MambaSpec
-from hybridserve.workers.runner.forward_batch import ForwardBatch, MambaLayer
+from hybridserve.workers.runner.forward_batch import ForwardBatch, RecurrentLayer
 
 
 class MambaMixer(nn.Module):
@@ -60,29 +62,16 @@ class MambaMixer(nn.Module):
         head_rows = (parallel.tp_rank * self.intermediate, self.intermediate)
         dt_rows = (parallel.tp_rank * self.num_heads, self.num_heads)
 
-        def shifted(rows: tuple[int, int], by: int) -> tuple[int, int]:
-            return rows[0] + by, rows[1]
-
-        # in_proj rows: z (gate) | x | B | C | dt, each section cut for this rank on its own.
+        # conv channels: x | B | C; in_proj rows: z (gate) | x | B | C | dt.
+        xbc = [(head_rows, inner), (group_rows, group_state), (group_rows, group_state)]
         self.in_proj = ColumnParallelLinear(
             hidden_size,
-            [
-                head_rows,
-                shifted(head_rows, inner),
-                shifted(group_rows, 2 * inner),
-                shifted(group_rows, 2 * inner + group_state),
-                shifted(dt_rows, 2 * inner + 2 * group_state),
-            ],
+            section_ranges([(head_rows, inner), *xbc, (dt_rows, heads)]),
             spec.proj_bias,
             dtype,
             device,
         )
-        # conv channels: x | B | C, cut the same way.
-        conv_rows = [
-            head_rows,
-            shifted(group_rows, inner),
-            shifted(group_rows, inner + group_state),
-        ]
+        conv_rows = section_ranges(xbc)
         conv_local = self.intermediate + 2 * self.group_state
         self.conv_weight = mark_shard(
             new_param(conv_local, 1, spec.conv_kernel, dtype=dtype, device=device), 0, conv_rows
@@ -104,9 +93,11 @@ class MambaMixer(nn.Module):
             inner, hidden_size, spec.proj_bias, parallel, dtype, device, name="mamba out_proj"
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, state: MambaLayer) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, state: RecurrentLayer
+    ) -> torch.Tensor:
         spec = self.spec
-        conv_states, ssm_states = state.conv, state.ssm
+        conv_states, ssm_states = state.views["conv"], state.views["ssm"]
         num_tokens = hidden.shape[0]
         heads, head_dim, groups, dstate = (
             self.num_heads,
@@ -130,13 +121,13 @@ class MambaMixer(nn.Module):
         nd = batch.num_decode
         outputs = []
         if nd:
-            slots = batch.mamba_slots[:nd]
+            slots = batch.state_slots[:nd]
             # Through (pool, layer): a step the compiled path traces writes the pools in place.
             conv_out = conv_update_pooled(
                 xbc[:nd],
                 conv_weight,
                 self.conv_bias,
-                conv_pool=state.conv_pool,
+                conv_pool=state.pools["conv"],
                 layer=state.layer,
                 state_slots=slots,
                 activation=spec.activation,
@@ -151,11 +142,11 @@ class MambaMixer(nn.Module):
             )
             outputs.append(
                 state_update_pooled(
-                    state.ssm_pool, state.layer, *step_args, state_slots=slots, **scan_args
+                    state.pools["ssm"], state.layer, *step_args, state_slots=slots, **scan_args
                 )
             )
         if num_tokens > nd:
-            slots = batch.mamba_slots[nd:]
+            slots = batch.state_slots[nd:]
             num_prefill = num_tokens - nd
             conv_out = causal_conv1d(
                 xbc[nd:],

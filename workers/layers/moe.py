@@ -1,4 +1,5 @@
-"""Mixture of experts: a router picks top-k experts per token, plus an optional shared expert.
+"""Mixture of experts: a router picks top-k experts per token, plus an optional shared expert
+(optionally gated: scaled by sigmoid of a learned per-token logit, as in Qwen3-Next).
 
 Under tensor parallelism every rank routes every token (the router is replicated). By default
 (TP-MoE) each rank holds 1/tp of every expert's intermediate dimension; with expert parallelism
@@ -40,6 +41,9 @@ class Router(nn.Module):
         spec = self.spec
         if spec.router == "softmax_topk":
             logits = F.linear(hidden, self.weight).float()
+            if not spec.norm_topk_prob:  # the chosen experts' probabilities over all experts
+                weights, expert_ids = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
+                return expert_ids, weights.to(hidden.dtype).float()
             top_logits, expert_ids = logits.topk(spec.top_k, dim=-1)
             return expert_ids, torch.softmax(top_logits, dim=-1).to(hidden.dtype).float()
 
@@ -159,6 +163,9 @@ class MoE(nn.Module):
             if spec.shared is not None
             else None
         )
+        self.shared_gate = (
+            ReplicatedLinear(hidden_size, 1, False, dtype, device) if spec.shared_gate else None
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         expert_ids, weights = self.router(hidden)
@@ -169,5 +176,9 @@ class MoE(nn.Module):
         if self.latent_out is not None:
             out = self.latent_out(out)
         if self.shared is not None:
-            out = out + self.shared(hidden)
+            shared = self.shared(hidden)
+            if self.shared_gate is not None:
+                # A per-token scale of every rank's partial sum: the reduction keeps it.
+                shared = torch.sigmoid(self.shared_gate(hidden)) * shared
+            out = out + shared
         return self.parallel.reduce(out)

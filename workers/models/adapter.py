@@ -9,8 +9,11 @@ a list of `WeightSource`s that together make up the full (unsharded) parameter.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from hybridserve.workers.models.config import (
     AttentionSpec,
@@ -24,9 +27,14 @@ from hybridserve.workers.models.config import (
 @dataclass(frozen=True)
 class WeightSource:
     key: str
-    # Where this tensor goes along dim 0 of the full parameter (an expert id, or a row range
-    # when separate gate and up projections fill one fused matrix); None = the whole parameter.
-    index: int | slice | None = None
+    # Where this tensor goes in the full parameter: an index along dim 0 (an expert id, a row
+    # range when separate projections fill one fused matrix, a tensor of destination rows when
+    # a fused checkpoint tensor's rows are interleaved differently), or a tuple of them for the
+    # leading dims; None = the whole parameter.
+    index: int | slice | torch.Tensor | tuple[int | slice, ...] | None = None
+    # Applied to the checkpoint tensor before it is cast to the parameter's dtype (e.g. a
+    # zero-centred norm's w -> 1 + w in float32).
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 Alternatives = list[list[WeightSource]]

@@ -24,7 +24,7 @@ from hybridserve.workers.models.config import (
     parse_layer_names,
 )
 
-MIXER_KINDS: set[LayerKind] = {"mamba", "attention"}
+MIXER_KINDS: set[LayerKind] = {"mamba2", "attention"}
 
 
 def mixer_kinds(reader: ConfigReader, index_field: str | None) -> list[LayerKind]:
@@ -48,7 +48,7 @@ def mixer_kinds(reader: ConfigReader, index_field: str | None) -> list[LayerKind
         raise reader.error(
             str(index_field), f"expected layer indices in [0, {num_layers}), got {indices!r}"
         )
-    return ["attention" if i in indices else "mamba" for i in range(num_layers)]
+    return ["attention" if i in indices else "mamba2" for i in range(num_layers)]
 
 
 def mamba_spec(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
@@ -122,7 +122,7 @@ class BambaAdapter:
             bos_token_id=reader.raw.get("bos_token_id"),
             eos_token_ids=reader.token_ids("eos_token_id"),
             pad_token_id=reader.raw.get("pad_token_id"),
-            mamba=mamba_spec(reader, hidden, eps) if "mamba" in mixers else None,
+            mamba2=mamba_spec(reader, hidden, eps) if "mamba2" in mixers else None,
             attention=(
                 attention_spec(
                     reader, hidden, bias=reader.bool("attention_bias", False), rope_partial=0.5
@@ -163,6 +163,6 @@ class BambaAdapter:
                     ]
                 ]
             return single(f"{layer}.feed_forward.{param}")
-        if config.layer_kinds[2 * index] == "mamba":
+        if config.layer_kinds[2 * index] == "mamba2":
             return single(mamba_key(f"{layer}.mamba", param))
         return single(f"{layer}.self_attn.{param}")

@@ -1,22 +1,33 @@
 """The one internal description of a hybrid model, whatever checkpoint format it came from.
 
-Every supported architecture (NemotronH, Bamba, GraniteMoeHybrid) is normalised into a
-`HybridModelConfig`: a flat list of residual sublayers, each `norm -> op -> residual add`, where
-`op` is one of four kinds. A Bamba decoder layer "mamba + MLP" becomes two sublayers; a NemotronH
-layer is already one. The model code (`workers/models/hybrid.py`) only ever reads this type.
+Every supported architecture (NemotronH, Bamba, GraniteMoeHybrid, Qwen3-Next, Qwen3.5) is
+normalised into a `HybridModelConfig`: a flat list of residual sublayers, each
+`norm -> op -> residual add`, where `op` is one of five kinds. A Bamba decoder layer
+"mamba + MLP" becomes two sublayers; a NemotronH layer is already one. The model code
+(`workers/models/hybrid.py`) only ever reads this type; everything that holds or moves recurrent
+state reads the kind's state description (`recurrent_state.py`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-LayerKind = Literal["mamba", "attention", "mlp", "moe"]
+from hybridserve.workers.models.recurrent_state import (
+    RecurrentStateSpec,
+    StateSection,
+    StateTensor,
+)
+
+LayerKind = Literal["mamba2", "gdn", "attention", "mlp", "moe"]
+# Layer kinds that keep per-sequence recurrent state (a slot in the state pools).
+RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn")
 Activation = Literal["silu", "relu2", "gelu"]
-Architecture = Literal["nemotron_h", "bamba", "granitemoehybrid"]
+Architecture = Literal["nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5"]
 
 
 class CheckpointError(ValueError):
@@ -70,6 +81,73 @@ class MambaSpec(_Frozen):
         # conv rows are three sections: x (intermediate) | B (groups * state) | C (groups * state)
         return self.intermediate_size + 2 * self.group_state_size
 
+    def state(self) -> RecurrentStateSpec:
+        groups = StateSection(self.group_state_size, self.n_groups)
+        return RecurrentStateSpec(
+            "mamba2",
+            (
+                StateTensor(
+                    "conv",
+                    "conv",
+                    (StateSection(self.intermediate_size, self.num_heads), groups, groups),
+                    (self.conv_kernel - 1,),
+                ),
+                StateTensor(
+                    "ssm",
+                    "recurrent",
+                    (StateSection(self.num_heads, self.num_heads),),
+                    (self.head_dim, self.state_size),
+                ),
+            ),
+        )
+
+
+class GatedDeltaNetSpec(_Frozen):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): q and k in `num_key_heads` heads, v, the gate z and
+    the per-head b, a in `num_value_heads`; each key head serves a run of
+    num_value_heads / num_key_heads consecutive value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    norm_eps: float
+    chunk_size: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        # conv rows are three sections: q (key_dim) | k (key_dim) | v (value_dim)
+        return 2 * self.key_dim + self.value_dim
+
+    def state(self) -> RecurrentStateSpec:
+        keys = StateSection(self.key_dim, self.num_key_heads)
+        return RecurrentStateSpec(
+            "gdn",
+            (
+                StateTensor(
+                    "conv",
+                    "conv",
+                    (keys, keys, StateSection(self.value_dim, self.num_value_heads)),
+                    (self.conv_kernel - 1,),
+                ),
+                StateTensor(
+                    "recurrent",
+                    "recurrent",
+                    (StateSection(self.num_value_heads, self.num_value_heads),),
+                    (self.key_head_dim, self.value_head_dim),
+                ),
+            ),
+        )
+
 
 class RopeSpec(_Frozen):
     theta: float
@@ -83,6 +161,11 @@ class AttentionSpec(_Frozen):
     bias: bool
     scale: float
     rope: RopeSpec | None
+    # Gated attention (Qwen3-Next, Qwen3.5): q_proj gives each head its queries then as many
+    # gate logits; the output is multiplied by sigmoid(gate) before o_proj.
+    output_gate: bool = False
+    # RMSNorm over each head's q and k before RoPE, with this epsilon (None: none).
+    qk_norm_eps: float | None = None
 
 
 class MLPSpec(_Frozen):
@@ -109,6 +192,8 @@ class MoESpec(_Frozen):
     routed_scaling_factor: float = 1.0
     latent_size: int | None = None
     shared: MLPSpec | None = None
+    # The shared expert's output is scaled by sigmoid(a learned per-token logit).
+    shared_gate: bool = False
 
 
 class HybridModelConfig(_Frozen):
@@ -125,7 +210,11 @@ class HybridModelConfig(_Frozen):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    mamba: MambaSpec | None = None
+    # Zero-centred RMSNorms (Qwen3-Next, Qwen3.5): the checkpoint stores w, the norm scales by
+    # 1 + w (the residual norms, the final norm and attention's q/k norms).
+    zero_centred_norms: bool = False
+    mamba2: MambaSpec | None = None
+    gdn: GatedDeltaNetSpec | None = None
     attention: AttentionSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
@@ -134,18 +223,33 @@ class HybridModelConfig(_Frozen):
         for kind in set(self.layer_kinds):
             if getattr(self, kind) is None:
                 raise ValueError(f"layer kind '{kind}' is used but has no spec")
+        recurrent = {kind for kind in self.layer_kinds if kind in RECURRENT_KINDS}
+        if len(recurrent) > 1:
+            # NOTE: the state pools hold one state description; a model mixing recurrent kinds
+            # would need a pool set per kind.
+            raise ValueError(f"one recurrent layer kind per model, got {sorted(recurrent)}")
 
     @cached_property
-    def mamba_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "mamba")
+    def recurrent_kind(self) -> LayerKind | None:
+        return next((kind for kind in self.layer_kinds if kind in RECURRENT_KINDS), None)
+
+    @cached_property
+    def recurrent_state(self) -> RecurrentStateSpec | None:
+        """What each recurrent layer keeps per sequence; None without recurrent layers."""
+        kind = self.recurrent_kind
+        return None if kind is None else getattr(self, kind).state()
+
+    @cached_property
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind in RECURRENT_KINDS)
 
     @cached_property
     def attention_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
 
     @property
-    def num_mamba_layers(self) -> int:
-        return len(self.mamba_layer_ids)
+    def num_recurrent_layers(self) -> int:
+        return len(self.recurrent_layer_ids)
 
     @property
     def num_attention_layers(self) -> int:
@@ -266,9 +370,9 @@ def parse_float(value: Any) -> float | None:
 
 
 _LAYER_NAMES: dict[str, LayerKind] = {
-    "mamba": "mamba",
-    "mamba2": "mamba",
-    "linear_attention": "mamba",
+    "mamba": "mamba2",
+    "mamba2": "mamba2",
+    "linear_attention": "mamba2",
     "attention": "attention",
     "full_attention": "attention",
     "mlp": "mlp",
@@ -276,16 +380,22 @@ _LAYER_NAMES: dict[str, LayerKind] = {
 }
 
 
-def parse_layer_names(reader: ConfigReader, field: str, allowed: set[LayerKind]) -> list[LayerKind]:
-    """A list of per-layer type names (current and legacy spellings) -> our layer kinds."""
+def parse_layer_names(
+    reader: ConfigReader,
+    field: str,
+    allowed: set[LayerKind],
+    names: Mapping[str, LayerKind] = _LAYER_NAMES,
+) -> list[LayerKind]:
+    """A list of per-layer type names (current and legacy spellings; `names` maps them, the
+    Mamba2 families' by default) -> our layer kinds."""
     value = reader.raw[field]
     if not isinstance(value, list) or not value:
         raise reader.error(field, f"expected a non-empty list of layer types, got {value!r}")
     kinds: list[LayerKind] = []
     for index, name in enumerate(value):
-        kind = _LAYER_NAMES.get(name) if isinstance(name, str) else None
+        kind = names.get(name) if isinstance(name, str) else None
         if kind is None or kind not in allowed:
-            known = sorted(n for n, k in _LAYER_NAMES.items() if k in allowed)
+            known = sorted(n for n, k in names.items() if k in allowed)
             raise reader.error(
                 field, f"unknown layer type {name!r} at index {index} (known: {', '.join(known)})"
             )

@@ -30,7 +30,7 @@ class GraniteMoeHybridAdapter:
         mixers = (
             mixer_kinds(reader, None)
             if reader.has("layer_types", "layers_block_type")
-            else ["mamba"] * reader.int("num_hidden_layers")
+            else ["mamba2"] * reader.int("num_hidden_layers")
         )
         hidden = reader.int("hidden_size")
         eps = reader.float("rms_norm_eps", 1e-6, positive=True)
@@ -86,7 +86,7 @@ class GraniteMoeHybridAdapter:
             bos_token_id=reader.raw.get("bos_token_id"),
             eos_token_ids=reader.token_ids("eos_token_id"),
             pad_token_id=reader.raw.get("pad_token_id"),
-            mamba=mamba_spec(reader, hidden, eps) if "mamba" in mixers else None,
+            mamba2=mamba_spec(reader, hidden, eps) if "mamba2" in mixers else None,
             attention=attention,
             mlp=None if moe else shared,
             moe=moe,
@@ -106,7 +106,7 @@ class GraniteMoeHybridAdapter:
             return single(f"{layer}.{norm}.weight")
         param = rest.removeprefix("op.")
         if not is_ffn:
-            if config.layer_kinds[2 * index] == "mamba":
+            if config.layer_kinds[2 * index] == "mamba2":
                 return single(mamba_key(f"{layer}.mamba", param))
             return single(f"{layer}.self_attn.{param}")
         shared_renames = {

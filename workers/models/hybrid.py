@@ -1,9 +1,13 @@
 """One model definition for every supported hybrid architecture.
 
 The checkpoint format differences live in the architecture adapters (`nemotron_h.py`,
-`bamba.py`, `granite_moe_hybrid.py`); this module only sees a `HybridModelConfig`: a stack of
-residual sublayers `x + residual_multiplier * op(norm(x))`, each op one of mamba / attention /
-mlp / moe.
+`bamba.py`, `granite_moe_hybrid.py`, `qwen3_next.py`); this module only sees a
+`HybridModelConfig`: a stack of residual sublayers `x + residual_multiplier * op(norm(x))`,
+each op one of mamba2 / gdn / attention / mlp / moe.
+
+Zero-centred norms (the checkpoint stores w, the norm scales by 1 + w) keep float32 weights:
+the loader adds the 1 in float32, so the scale is exactly the one the model was trained with
+whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -14,14 +18,19 @@ from torch import nn
 from hybridserve.kernels import can_pack, pack_weight, register_packed
 from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
 from hybridserve.workers.layers.vocab import VocabParallelEmbedding, gather_logits, vocab_param
-from hybridserve.workers.models.config import HybridModelConfig, LayerKind
+from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig, LayerKind
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
+
+
+def norm_weight_dtype(config: HybridModelConfig, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if config.zero_centred_norms else dtype
 
 
 class Sublayer(nn.Module):
@@ -36,18 +45,28 @@ class Sublayer(nn.Module):
     ) -> None:
         super().__init__()
         self.kind = kind
-        # Index of this layer inside the KV pool (attention) or the Mamba slot pool (mamba).
+        # Index of this layer inside the KV pool (attention) or the state pools (recurrent).
         self.cache_index = cache_index
         hidden = config.hidden_size
-        self.norm = RMSNorm(hidden, config.norm_eps, dtype, device)
+        norm_dtype = norm_weight_dtype(config, dtype)
+        self.norm = RMSNorm(hidden, config.norm_eps, norm_dtype, device)
         self.op: nn.Module
-        if kind == "mamba":
-            assert config.mamba is not None
-            self.op = MambaMixer(config.mamba, hidden, parallel, dtype, device)
+        if kind == "mamba2":
+            assert config.mamba2 is not None
+            self.op = MambaMixer(config.mamba2, hidden, parallel, dtype, device)
+        elif kind == "gdn":
+            assert config.gdn is not None
+            self.op = GatedDeltaNet(config.gdn, hidden, parallel, dtype, device)
         elif kind == "attention":
             assert config.attention is not None
             self.op = Attention(
-                config.attention, hidden, config.max_position_embeddings, parallel, dtype, device
+                config.attention,
+                hidden,
+                config.max_position_embeddings,
+                parallel,
+                dtype,
+                device,
+                norm_dtype,
             )
         elif kind == "mlp":
             assert config.mlp is not None
@@ -60,8 +79,8 @@ class Sublayer(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
     ) -> torch.Tensor:
         normed = self.norm(hidden)
-        if self.kind == "mamba":
-            return self.op(normed, batch, caches.mamba_layer(self.cache_index))
+        if self.kind in RECURRENT_KINDS:
+            return self.op(normed, batch, caches.recurrent_layer(self.cache_index))
         if self.kind == "attention":
             return self.op(normed, batch, caches.kv_layer(self.cache_index))
         return self.op(normed)
@@ -82,15 +101,19 @@ class HybridForCausalLM(nn.Module):
         self.embed = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, parallel, dtype, device
         )
-        cache_indices = {"mamba": 0, "attention": 0}
+        num_recurrent = num_attention = 0
         layers = []
         for kind in config.layer_kinds:
-            index = cache_indices.get(kind, -1)
-            if kind in cache_indices:
-                cache_indices[kind] += 1
+            index = -1
+            if kind in RECURRENT_KINDS:
+                index, num_recurrent = num_recurrent, num_recurrent + 1
+            elif kind == "attention":
+                index, num_attention = num_attention, num_attention + 1
             layers.append(Sublayer(config, kind, index, parallel, dtype, device))
         self.layers = nn.ModuleList(layers)
-        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps, dtype, device)
+        self.final_norm = RMSNorm(
+            config.hidden_size, config.norm_eps, norm_weight_dtype(config, dtype), device
+        )
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_is_packed = False  # whether lm_head_packed exists (as PackableLinear)
         self.lm_head = (

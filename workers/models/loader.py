@@ -212,7 +212,7 @@ def load_model(
                 expected,
                 f"missing (needed for {name}; the checkpoint does not contain it)",
             )
-        full = _assemble(source, chosen, full_shapes[name], dtype)
+        full = _assemble(source, chosen, full_shapes[name], param.dtype)
         with torch.no_grad():
             param.copy_(shard_tensor(full, param))
         used.update(s.key for s in chosen)
@@ -237,13 +237,18 @@ def _assemble(
     source: TensorSource, sources: list[WeightSource], shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """One full parameter from its checkpoint tensors, shape-checked."""
+
+    def read(part: WeightSource) -> torch.Tensor:
+        tensor = source.get(part.key)
+        return tensor if part.transform is None else part.transform(tensor)
+
     if len(sources) == 1 and sources[0].index is None:
-        tensor = source.get(sources[0].key)
+        tensor = read(sources[0])
         _check_shape(source, sources[0].key, tuple(tensor.shape), shape)
         return tensor.to(dtype)
     full = torch.empty(shape, dtype=dtype)
     for part in sources:
-        tensor = source.get(part.key)
+        tensor = read(part)
         assert part.index is not None
         _check_shape(source, part.key, tuple(tensor.shape), tuple(full[part.index].shape))
         full[part.index] = tensor.to(dtype)

@@ -34,8 +34,8 @@ from hybridserve.workers.models.config import (
 
 logger = logging.getLogger(__name__)
 
-PATTERN_SYMBOLS: dict[str, LayerKind] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-ALL_KINDS: set[LayerKind] = {"mamba", "attention", "mlp", "moe"}
+PATTERN_SYMBOLS: dict[str, LayerKind] = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+ALL_KINDS: set[LayerKind] = {"mamba2", "attention", "mlp", "moe"}
 
 
 def layer_kinds(reader: ConfigReader) -> list[LayerKind]:
@@ -82,7 +82,7 @@ class NemotronHAdapter:
         hidden = reader.int("hidden_size")
         eps = reader.float("layer_norm_epsilon", 1e-5, aliases=("rms_norm_eps",), positive=True)
         mamba = attention = mlp = moe = None
-        if "mamba" in kinds:
+        if "mamba2" in kinds:
             dt_min, dt_max = reader.dt_limit("time_step_limit", aliases=("mamba_dt_limit",))
             mamba = MambaSpec(
                 num_heads=reader.int("mamba_num_heads"),
@@ -130,7 +130,7 @@ class NemotronHAdapter:
             bos_token_id=reader.raw.get("bos_token_id"),
             eos_token_ids=reader.token_ids("eos_token_id"),
             pad_token_id=reader.raw.get("pad_token_id"),
-            mamba=mamba,
+            mamba2=mamba,
             attention=attention,
             mlp=mlp,
             moe=moe,
@@ -197,7 +197,7 @@ class NemotronHAdapter:
         param = rest.removeprefix("op.")
         kind = config.layer_kinds[index]
         mixer = f"{layer}.mixer"
-        if kind == "mamba":
+        if kind == "mamba2":
             return single(mamba_key(mixer, param))
         if kind != "moe":
             return single(f"{mixer}.{param}")

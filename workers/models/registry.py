@@ -7,10 +7,16 @@ from hybridserve.workers.models.bamba import BambaAdapter
 from hybridserve.workers.models.config import ConfigError
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
+from hybridserve.workers.models.qwen3_next import Qwen3NextAdapter
 
 ADAPTERS: dict[str, ArchitectureAdapter] = {
     model_type: adapter
-    for adapter in (NemotronHAdapter(), BambaAdapter(), GraniteMoeHybridAdapter())
+    for adapter in (
+        NemotronHAdapter(),
+        BambaAdapter(),
+        GraniteMoeHybridAdapter(),
+        Qwen3NextAdapter(),
+    )
     for model_type in adapter.model_types
 }
 

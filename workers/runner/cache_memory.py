@@ -1,7 +1,7 @@
 """The device (and optional host) memory behind the cache managers; owned by the ModelRunner.
 
-Device pools: KV blocks and Mamba slots (`StateCaches`). Host tier: the same layouts in host
-memory (pinned when a GPU is present), for blocks and snapshots the device pools evict. `apply`
+Device pools: KV blocks and recurrent state slots (`StateCaches`). Host tier: the same layouts in
+host memory (pinned when a GPU is present), for blocks and snapshots the device pools evict. `apply`
 performs the data moves a step plan carries (workers/cache/ops.py), in order.
 """
 
@@ -81,11 +81,11 @@ class CacheMemory:
         return 0 if t is None or t.shape[0] == 0 else t[0].numel() * t.element_size()
 
     def _allocate_host(self, host_bytes: int, counts: tuple[int, int] | None = None) -> StateCaches:
-        """Half the budget for KV blocks, half for Mamba slots (all of it to whichever exists)."""
+        """Half the budget for KV blocks, half for state slots (all of it to whichever exists)."""
         device = self.device
         if counts is None:
             block_bytes = self._bytes_per(device.kv)
-            slot_bytes = self._bytes_per(device.conv) + self._bytes_per(device.ssm)
+            slot_bytes = sum(self._bytes_per(pool) for pool in device.state.values())
             kv_share = 0.5 if block_bytes and slot_bytes else (1.0 if block_bytes else 0.0)
             counts = (
                 int(host_bytes * kv_share) // block_bytes if block_bytes else 0,
@@ -99,11 +99,12 @@ class CacheMemory:
                 return None
             return torch.empty((count, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
 
-        return StateCaches(
-            kv=like(device.kv, self.num_host_blocks),
-            conv=like(device.conv, self.num_host_slots),
-            ssm=like(device.ssm, self.num_host_slots),
-        )
+        state = {}
+        for name, pool in device.state.items():
+            host_pool = like(pool, self.num_host_slots)
+            assert host_pool is not None
+            state[name] = host_pool
+        return StateCaches(kv=like(device.kv, self.num_host_blocks), state=state)
 
     # ---- cache ops ------------------------------------------------------------------------
 
@@ -130,9 +131,8 @@ class CacheMemory:
             copy_into(kv[dst, :, :, :, :num_tokens], kv[src, :, :, :, :num_tokens])
 
     def copy_slot(self, src: int, dst: int) -> None:
-        for pool in (self.device.conv, self.device.ssm):
-            if pool is not None:
-                copy_into(pool[dst], pool[src])
+        for pool in self.device.state.values():
+            copy_into(pool[dst], pool[src])
 
     def offload_block(self, block_id: int, host_id: int) -> None:
         assert self.host is not None
@@ -146,18 +146,10 @@ class CacheMemory:
 
     def offload_slot(self, slot: int, host_slot: int) -> None:
         assert self.host is not None
-        for device_pool, host_pool in (
-            (self.device.conv, self.host.conv),
-            (self.device.ssm, self.host.ssm),
-        ):
-            if device_pool is not None:
-                copy_into(host_pool[host_slot], device_pool[slot])
+        for name, device_pool in self.device.state.items():
+            copy_into(self.host.state[name][host_slot], device_pool[slot])
 
     def load_slot(self, host_slot: int, slot: int) -> None:
         assert self.host is not None
-        for device_pool, host_pool in (
-            (self.device.conv, self.host.conv),
-            (self.device.ssm, self.host.ssm),
-        ):
-            if device_pool is not None:
-                copy_into(device_pool[slot], host_pool[host_slot])
+        for name, device_pool in self.device.state.items():
+            copy_into(device_pool[slot], self.host.state[name][host_slot])

@@ -15,7 +15,7 @@ Decode rows use the single-step kernels; prefill sequences use the varlen kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,7 @@ class ForwardBatch:
     num_decode: int  # decode rows = the first num_decode tokens and sequences
     block_tables: torch.Tensor  # (S, max_blocks) KV block ids per sequence
     seq_lens: torch.Tensor  # (S,) context length including this step's tokens
-    mamba_slots: torch.Tensor  # (S,) live Mamba slot per sequence
+    state_slots: torch.Tensor  # (S,) live recurrent state slot per sequence
     prefill_cu_seqlens: torch.Tensor  # (S - num_decode + 1,) offsets inside the prefill tokens
     prefill_initial_slots: torch.Tensor  # (S - num_decode,) -1 where a sequence starts at 0
     logits_indices: torch.Tensor  # (R,) rows of the hidden states whose logits are needed
@@ -50,32 +50,36 @@ class KVLayer:
 
 
 @dataclass(frozen=True)
-class MambaLayer:
-    """One Mamba layer's conv and SSM states, as views and as (pool, layer)."""
+class RecurrentLayer:
+    """One recurrent layer's state tensors (its kind's names: conv, ssm / recurrent, ...), as
+    per-layer views and as (pool, layer) for code that must write the pool in place."""
 
-    conv: torch.Tensor  # (num_slots, conv_dim, conv_kernel - 1), a strided view
-    ssm: torch.Tensor  # (num_slots, heads, head_dim, state_size), a strided view
-    conv_pool: torch.Tensor  # StateCaches.conv
-    ssm_pool: torch.Tensor  # StateCaches.ssm
+    views: dict[str, torch.Tensor]  # name -> (num_slots, *local shape), a strided view
+    pools: dict[str, torch.Tensor]  # name -> StateCaches.state[name]
     layer: int
 
 
 @dataclass
 class StateCaches:
-    """Device memory for attention KV blocks and Mamba slots, block- and slot-major.
+    """Device memory for attention KV blocks and recurrent state slots, block- and slot-major.
 
-    A block (or slot) is one contiguous region across all layers, which is what the
-    transceiver moves; per-layer views are strided.
+    A block (or a slot of one state tensor) is one contiguous region across all layers, which
+    is what the transceiver moves; per-layer views are strided.
     """
 
     kv: torch.Tensor | None  # (num_blocks, num_attn_layers, 2, kv_heads, block_size, head_dim)
-    conv: torch.Tensor | None  # (num_slots, num_mamba_layers, conv_dim, conv_kernel - 1)
-    ssm: torch.Tensor | None  # (num_slots, num_mamba_layers, heads, head_dim, state_size)
+    # Per state tensor of the model's recurrent kind (models/recurrent_state.py), in its order:
+    # (num_slots, num_recurrent_layers, *local shape).
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def kv_layer(self, index: int) -> KVLayer:
         assert self.kv is not None
         return KVLayer(self.kv[:, index, 0], self.kv[:, index, 1], self.kv, index)
 
-    def mamba_layer(self, index: int) -> MambaLayer:
-        assert self.conv is not None and self.ssm is not None
-        return MambaLayer(self.conv[:, index], self.ssm[:, index], self.conv, self.ssm, index)
+    def recurrent_layer(self, index: int) -> RecurrentLayer:
+        views = {name: pool[:, index] for name, pool in self.state.items()}
+        return RecurrentLayer(views, self.state, index)
+
+    def pools(self) -> dict[str, torch.Tensor]:
+        """Every pool by transfer region kind: "kv" and the state tensors' names."""
+        return ({"kv": self.kv} if self.kv is not None else {}) | self.state

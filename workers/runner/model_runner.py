@@ -20,13 +20,10 @@ from hybridserve.kernels import build_cpu_operators
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.outputs import Sample, TokenLogprobs
 from hybridserve.workers.core.step_plan import ScheduledChunk, StepPlan
-from hybridserve.workers.executors.parallel import (
-    ParallelContext,
-    local_conv_sections,
-    local_kv_heads,
-)
+from hybridserve.workers.executors.parallel import ParallelContext, local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.models.recurrent_state import StateRole
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
@@ -49,7 +46,7 @@ class PoolSizes:
     """How many blocks and slots every rank's pools hold (ids are shared by all ranks)."""
 
     num_kv_blocks: int
-    num_mamba_slots: int
+    num_state_slots: int
     num_host_blocks: int = 0
     num_host_slots: int = 0
 
@@ -59,6 +56,13 @@ class RunnerOutput:
     samples: list[Sample | None]  # per plan chunk, in plan order
     # request id -> the prompt tokens this step's chunk scored (chunks with prompt_logprobs).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def state_dtype(config: EngineConfig, role: StateRole) -> torch.dtype:
+    """The dtype of a recurrent state tensor of `role` (models/recurrent_state.py)."""
+    if role == "recurrent":
+        return DTYPES[config.recurrent_state_dtype]
+    return DTYPES[config.conv_state_dtype or config.dtype]
 
 
 def resolve_device(device: str, index: int = 0) -> torch.device:
@@ -104,7 +108,7 @@ class ModelRunner:
         self.max_blocks_per_seq = 0  # widest block table (pool_sizes)
         self.block_size = config.block_size
         self.sampler = Sampler()
-        self.caches = StateCaches(None, None, None)
+        self.caches = StateCaches(None)
         self.memory: CacheMemory | None = None
         # The forward paths to try, in order; those that cannot serve this model, device or
         # TP are left out now, those that fail to prepare once the pools exist.
@@ -159,7 +163,7 @@ class ModelRunner:
         from host_cache_bytes). `self.memory` reports the host tier it really got."""
         cfg = self.model_config
         tp = self.parallel.tp_size
-        kv = conv = ssm = None
+        kv = None
         if cfg.attention is not None:
             kv = zeroed_pool(
                 (
@@ -173,28 +177,24 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-        if cfg.mamba is not None:
-            spec, slots, layers = cfg.mamba, sizes.num_mamba_slots, cfg.num_mamba_layers
-            conv = zeroed_pool(
-                (slots, layers, sum(local_conv_sections(spec, tp)), spec.conv_kernel - 1),
-                self.dtype,
-                self.device,
-            )
-            ssm = zeroed_pool(
-                (slots, layers, spec.num_heads // tp, spec.head_dim, spec.state_size),
-                DTYPES[self.config.mamba_ssm_dtype],
-                self.device,
-            )
-        self.caches = StateCaches(kv=kv, conv=conv, ssm=ssm)
+        state = {}
+        if cfg.recurrent_state is not None:
+            for tensor in cfg.recurrent_state.tensors:
+                state[tensor.name] = zeroed_pool(
+                    (sizes.num_state_slots, cfg.num_recurrent_layers, *tensor.local_shape(tp)),
+                    state_dtype(self.config, tensor.role),
+                    self.device,
+                )
+        self.caches = StateCaches(kv=kv, state=state)
         self.memory = CacheMemory(self.caches, self.config.host_cache_bytes, host_counts)
         self._prepare_paths()
         logger.info(
-            "rank %d caches: %d KV blocks x %d tokens, %d Mamba slots (%.1f MiB)",
+            "rank %d caches: %d KV blocks x %d tokens, %d state slots (%.1f MiB)",
             self.parallel.tp_rank,
             sizes.num_kv_blocks,
             self.block_size,
-            sizes.num_mamba_slots,
-            sum(t.numel() * t.element_size() for t in (kv, conv, ssm) if t is not None) / 2**20,
+            sizes.num_state_slots,
+            sum(t.numel() * t.element_size() for t in self.caches.pools().values()) / 2**20,
         )
 
     def _prepare_paths(self) -> None:
@@ -344,7 +344,7 @@ class ModelRunner:
             num_decode=num_decode,
             block_tables=torch.from_numpy(padded).to(device),
             seq_lens=tensor(seq_lens),
-            mamba_slots=tensor(slots),
+            state_slots=tensor(slots),
             prefill_cu_seqlens=tensor(cu_seqlens),
             prefill_initial_slots=tensor(initial_slots),
             logits_indices=tensor(logits_indices),

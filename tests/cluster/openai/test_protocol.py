@@ -151,6 +151,13 @@ def test_chat_content_parts_join_with_newlines():
          "messages[0].content",
          "content part 0 has type 'image_url', but only text parts ({'type': 'text', 'text': "
          "...}) are supported."),
+        # An image-text checkpoint (Qwen3.5) is served as text: its media parts are refused too.
+        (ChatCompletionRequest,
+         {"messages": [{"role": "user", "content": [
+             {"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {}}]}]},
+         "messages[0].content",
+         "content part 1 has type 'input_audio', but only text parts ({'type': 'text', 'text': "
+         "...}) are supported."),
     ],
 )  # fmt: skip
 def test_invalid_requests_are_400_naming_the_field(cls, body, param, message):

@@ -34,8 +34,8 @@ def indexed_engine(index: PrefixIndex, name: str = "e", **overrides) -> Engine:
         "model": "tiny",
         "block_size": BS,
         "max_num_batched_tokens": 64,
-        "mamba_snapshot_interval": 0,
-        "mamba_snapshot_turn_end": False,
+        "snapshot_interval": 0,
+        "snapshot_turn_end": False,
     } | overrides
     engine = Engine(EngineConfig(**args))
     index.add_engine(name, block_size=BS, partial_reuse=engine.config.enable_partial_reuse)
@@ -95,12 +95,12 @@ def test_an_adopted_snapshot_stays_scorable():
 
 
 WORKLOADS = {
-    "interval": {"mamba_snapshot_interval": 32},
-    "partial-off": {"enable_partial_reuse": False, "mamba_snapshot_interval": 32},
-    "turn-end": {"mamba_snapshot_turn_end": True},
+    "interval": {"snapshot_interval": 32},
+    "partial-off": {"enable_partial_reuse": False, "snapshot_interval": 32},
+    "turn-end": {"snapshot_turn_end": True},
     "evicting": {
         "num_kv_blocks": 24,
-        "num_mamba_slots": 6,
+        "num_state_slots": 6,
         "max_num_seqs": 2,
         "max_model_len": 192,
     },

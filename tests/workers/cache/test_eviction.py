@@ -185,7 +185,7 @@ def test_allocation_fails_whole_when_the_pool_is_short():
     assert reuse.num_tokens == 8
     # 2 shared + 2 new blocks needed, but the 2 free ones are the shared ones.
     assert cache.allocate(b, 8, reuse) is None
-    assert (b.num_computed_tokens, cache.mamba.has_slot("b")) == (0, False)
+    assert (b.num_computed_tokens, cache.recurrent.has_slot("b")) == (0, False)
     assert (take_ops(cache), cache.take_events()) == ([], [])
     assert cache.num_free_blocks == 2 and cache.attention.pool.num_cached == 2
     cache.check_integrity()

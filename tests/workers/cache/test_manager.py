@@ -74,7 +74,7 @@ def test_too_few_blocks_returns_none_and_changes_nothing():
     assert before == (1, 1)
     assert cache.allocate(b, 8) is None  # needs 2 blocks, 1 free
     assert counts(cache) == before
-    assert not cache.mamba.has_slot("b")  # no slot was taken for the failed request
+    assert not cache.recurrent.has_slot("b")  # no slot was taken for the failed request
     with pytest.raises(KeyError):
         cache.block_table("b")
     # A running request that cannot grow keeps what it had.
@@ -94,7 +94,7 @@ def test_no_free_slot_returns_none_and_changes_nothing():
     assert counts(cache) == (7, 0)
     assert cache.allocate(b, 4) is None
     assert counts(cache) == (7, 0)
-    assert not cache.mamba.has_slot("b")
+    assert not cache.recurrent.has_slot("b")
     cache.check_integrity()
     # The slot holder itself can still grow: it needs no new slot.
     a.num_computed_tokens = 4
@@ -138,9 +138,9 @@ def test_check_integrity_catches_a_block_in_two_tables():
 def test_check_integrity_catches_a_leaked_slot():
     cache = make_cache(num_blocks=4, block_size=4, num_slots=3)
     cache.allocate(make_request("a", 4), 4)
-    del cache.mamba._live["a"]  # the slot is lost to everyone
+    del cache.recurrent._live["a"]  # the slot is lost to everyone
     with pytest.raises(RuntimeError) as info:
         cache.check_integrity()
     assert str(info.value) == (
-        "Mamba live slots integrity check failed (3 total, 2 free, 0 held): 1 ids leaked"
+        "state live slots integrity check failed (3 total, 2 free, 0 held): 1 ids leaked"
     )

@@ -201,7 +201,7 @@ def test_same_block_commits_replace_the_shorter_node_and_its_snapshot():
     ]
     # r1 holds blocks [0]; the 10-token node's copy was block 1, the new copy is block 2.
     assert take_ops(cache) == [("copy_block", 0, 2, 20), ("copy_slot", 0, 3)]
-    assert cache.mamba.snapshots.num_free == 7
+    assert cache.recurrent.snapshots.num_free == 7
     assert cache.attention.pool.num_cached == 1
     cache.free(r1)
     assert_cache_at_baseline(cache)
@@ -321,7 +321,7 @@ def test_find_reuse_is_side_effect_free():
     commit_a(cache)
     take_ops(cache)
     cache.take_events()
-    pool, snapshots = cache.attention.pool, cache.mamba.snapshots
+    pool, snapshots = cache.attention.pool, cache.recurrent.snapshots
     before = (list(pool._free), list(snapshots._lru), cache.stats.as_tuple())
     b = make_request("b", prompt=[*A, 1])
     assert cache.find_reuse(b).num_tokens == 300
@@ -421,7 +421,7 @@ def test_i8_free_removes_the_request_state():
     admit(cache, request, points=[64, 100])
     advance(cache, request, 40)
     cache.free(request)
-    assert not cache.mamba.has_slot("a") and not cache.attention.has_table("a")
+    assert not cache.recurrent.has_slot("a") and not cache.attention.has_table("a")
     with pytest.raises(KeyError):
         cache.block_table("a")
     # A freed request commits nothing, even when its cursor sits on a point.
@@ -435,10 +435,10 @@ def test_i8_free_removes_the_request_state():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"num_mamba_slots": 4, "max_num_seqs": 8}, r"num_mamba_slots \(4\) is smaller than"),
+        ({"num_state_slots": 4, "max_num_seqs": 8}, r"num_state_slots \(4\) is smaller than"),
         (
-            {"mamba_snapshot_interval": 0, "mamba_save_last_snapshot": False},
-            "no Mamba snapshot points would never reuse anything",
+            {"snapshot_interval": 0, "save_last_snapshot": False},
+            "no snapshot points would never reuse anything",
         ),
     ],
 )
@@ -448,12 +448,12 @@ def test_i11_engine_config_rejects_impossible_capacity(overrides, message):
 
 
 def test_i11_engine_config_snapshot_slots():
-    assert EngineConfig(max_num_seqs=8, num_mamba_slots=20).num_snapshot_slots == 12
+    assert EngineConfig(max_num_seqs=8, num_state_slots=20).num_snapshot_slots == 12
     assert EngineConfig(max_num_seqs=8).num_snapshot_slots == 64
     assert EngineConfig(max_num_seqs=40).num_snapshot_slots == 80
     assert EngineConfig(max_num_seqs=8, enable_prefix_caching=False).num_snapshot_slots == 0
     # Without prefix caching no snapshot point is needed.
-    EngineConfig(enable_prefix_caching=False, mamba_save_last_snapshot=False)
+    EngineConfig(enable_prefix_caching=False, save_last_snapshot=False)
 
 
 def test_i17_the_last_prompt_token_is_never_reused():

@@ -16,8 +16,8 @@ SMALL = {
     "max_num_seqs": 2,
     "num_kv_blocks": 24,
     "max_model_len": 256,
-    "num_mamba_slots": 4,
-    "mamba_snapshot_interval": 64,
+    "num_state_slots": 4,
+    "snapshot_interval": 64,
 }
 
 
@@ -33,7 +33,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tp):
         with_host.generate([first], GREEDY)
         with_host.generate(others, GREEDY)  # pushes `first` out of the small device pools
         cache = with_host.engine.cache
-        assert cache.attention.host is not None and cache.mamba.host is not None
+        assert cache.attention.host is not None and cache.recurrent.host is not None
         assert any(n.block_id is None and n.host_block_id is not None for n in cache.tree.nodes())
         (out,) = with_host.generate([extended], GREEDY)
         assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host

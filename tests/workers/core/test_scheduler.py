@@ -145,7 +145,7 @@ def test_waiting_requests_wait_for_blocks_then_start_in_order():
     # b needs 2 blocks and 1 is free; c would fit but must not overtake b.
     assert ids(scheduler.waiting) == ["b", "c"]
     assert scheduler.cache.num_free_blocks == 1
-    assert b.status is RequestStatus.WAITING and not scheduler.cache.mamba.has_slot("b")
+    assert b.status is RequestStatus.WAITING and not scheduler.cache.recurrent.has_slot("b")
     assert step(scheduler)[0] == [("a", 1)]
     assert a.finish_reason == "length"
     # a finished and freed its 3 blocks: b (2 blocks) and then c (1 block) start.
@@ -183,7 +183,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert b.output_token_ids == [TOKEN, TOKEN]  # generated tokens are kept, recomputed later
     assert ids(scheduler.waiting) == ["b", "c"]  # front of the queue, ahead of c
     assert ids(scheduler.running) == ["a"]
-    assert not scheduler.cache.mamba.has_slot("b")
+    assert not scheduler.cache.recurrent.has_slot("b")
     assert scheduler.cache.num_free_blocks == 1  # b's 2 blocks back, 1 taken by a
     assert scheduler.cache.num_free_slots == 3
     scheduler.cache.check_integrity()

@@ -162,7 +162,7 @@ def test_e8_a_shared_budget_leaves_nothing_for_the_second_prompt():
     scheduler.add(a)
     scheduler.add(b)
     assert step(scheduler) == [("a", 10)]
-    assert b.status is RequestStatus.WAITING and not cache.mamba.has_slot("b")
+    assert b.status is RequestStatus.WAITING and not cache.recurrent.has_slot("b")
     assert [step(scheduler) for _ in range(3)] == [[("a", 15)], [("b", 10)], [("b", 15)]]
 
 
@@ -181,7 +181,7 @@ def test_e10_no_budget_left_after_decodes_skips_the_prompt():
     start_decoding(scheduler, d2)
     scheduler.add(waiting)
     assert step(scheduler) == [("d1", 1), ("d2", 1)]
-    assert waiting.status is RequestStatus.WAITING and not cache.mamba.has_slot("p")
+    assert waiting.status is RequestStatus.WAITING and not cache.recurrent.has_slot("p")
 
 
 def test_e11_points_already_passed_are_ignored():

@@ -73,7 +73,7 @@ def test_a_rank_that_dies_or_hangs_mid_generate_ends_it_with_an_error(
     # Nothing is left running or held, and new requests are refused with the reason.
     assert not llm.engine.has_unfinished_requests()
     llm.engine.cache.check_integrity()
-    assert llm.engine.cache.num_free_slots == llm.engine.cache.mamba.num_live_slots
+    assert llm.engine.cache.num_free_slots == llm.engine.cache.recurrent.num_live_slots
     with pytest.raises(RuntimeError, match="the engine stopped and takes no requests"):
         llm.generate([[1]], LONG)
     llm.shutdown()  # idempotent after a failure

@@ -21,6 +21,19 @@ NEMOTRON_MOE = {
     "moe_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 48,
 }
+# A Qwen3.5 (Gated DeltaNet) config: 2 key heads, 4 value heads.
+QWEN35 = {
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 12,
+    "linear_value_head_dim": 10,
+}
 
 
 def context(tp: int, rank: int, expert_parallel: bool = False) -> ParallelContext:
@@ -74,6 +87,11 @@ def write_config(folder: Path, **changes) -> str:
         (NEMOTRON_MOE, 4, True,
          r"num_experts \(3\) over 4 ranks with enable_expert_parallel: every rank needs at least"),
         ({}, 2, True, "enable_expert_parallel: the model has no MoE layers"),
+        (QWEN35, 8, False, r"linear_num_value_heads \(4\) over 8 ranks: not divisible"),
+        (QWEN35 | {"linear_num_key_heads": 3, "linear_num_value_heads": 6}, 2, False,
+         r"linear_num_key_heads \(3\) over 2 ranks: not divisible"),
+        (QWEN35 | {"linear_num_value_heads": 6}, 4, False,
+         r"linear_num_value_heads \(6\) over 4 ranks: not divisible"),
     ],
 )  # fmt: skip
 def test_an_unsplittable_shape_is_refused_at_config_time_naming_field_and_numbers(
@@ -90,6 +108,8 @@ def test_shapes_the_rules_can_split_are_accepted(tmp_path):
     model = write_config(tmp_path / "ok", **NEMOTRON_MOE)
     EngineConfig(model=model, tensor_parallel_size=2, enable_expert_parallel=True)  # 3 experts
     EngineConfig(model="tiny", tensor_parallel_size=4)  # 2 KV heads and 2 groups, replicated
+    # 2 GDN key heads over 4 ranks: replicated, each to the ranks whose value heads read it.
+    EngineConfig(model=write_config(tmp_path / "gdn", **QWEN35), tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ transformers and against the same engine at TP 1 (the host tier under TP: test_h
 
 Checkpoints cover the sharding rules: one KV head (replicated over the ranks), Mamba B/C groups
 fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
-three experts over two ranks (expert parallelism, uneven), shared experts, and TP 4.
+Gated DeltaNet key heads equal to the ranks (split) and fewer (replicated), three experts over two
+ranks (expert parallelism, uneven), shared experts (gated ones too), and TP 4.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ AGAIN = [[*p, 5] for p in PROMPTS[2:]]
 SMALL = {
     "block_size": 8,
     "max_num_batched_tokens": 24,
-    "mamba_snapshot_interval": 32,
+    "snapshot_interval": 32,
     "max_model_len": 256,
     "num_kv_blocks": 96,
     "max_num_seqs": 8,
@@ -50,6 +51,12 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "bamba-1-group": ("bamba", {"mamba_n_groups": 1}),
     # 2 Mamba groups = 2 ranks; 3 experts over 2 ranks; a shared expert.
     "granite-3-experts": ("granitemoehybrid", {"num_local_experts": 3}),
+    # 2 GDN key heads, 4 value heads: split at TP 2, key heads replicated at TP 4; 3 experts
+    # and a gated shared expert.
+    "qwen3-next": ("qwen3_next", {"num_experts": 3}),
+    # One GDN key head < 2 ranks: q and k replicated, value heads split.
+    "qwen3.5-1-key-head": ("qwen3_5", {"linear_num_key_heads": 1}),
+    "qwen3.5-moe": ("qwen3_5_moe", {}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -58,6 +65,11 @@ RUNS = [
     ("bamba-1-group", 2, False),
     ("granite-3-experts", 2, False),
     ("granite-3-experts", 2, True),
+    ("qwen3-next", 2, False),
+    ("qwen3-next", 2, True),
+    ("qwen3-next", 4, False),
+    ("qwen3.5-1-key-head", 2, False),
+    ("qwen3.5-moe", 2, True),
 ]
 
 

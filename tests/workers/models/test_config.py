@@ -90,10 +90,10 @@ def test_tiny_config_parses_to_the_expected_model():
     config = parse(dict(TINY_CONFIG))
     assert config.architecture == "nemotron_h"
     assert config.layer_kinds == (
-        "mamba", "attention", "mlp", "mamba", "attention", "mlp", "mamba", "mlp"
+        "mamba2", "attention", "mlp", "mamba2", "attention", "mlp", "mamba2", "mlp"
     )  # fmt: skip
-    assert (config.num_mamba_layers, config.num_attention_layers) == (3, 2)
-    assert config.mamba.conv_dim == 8 * 32 + 2 * 2 * 32
+    assert (config.num_recurrent_layers, config.num_attention_layers) == (3, 2)
+    assert config.mamba2.conv_dim == 8 * 32 + 2 * 2 * 32
     assert (config.attention.num_heads, config.attention.num_kv_heads) == (4, 2)
     assert config.attention.rope is None  # NemotronH attention has no positional encoding
     assert config.attention.scale == 32**-0.5
@@ -104,7 +104,7 @@ def test_tiny_config_parses_to_the_expected_model():
 
 def test_hybrid_override_pattern_maps_every_symbol():
     config = parse(nemotron(hybrid_override_pattern="M*-E"))
-    assert config.layer_kinds == ("mamba", "attention", "mlp", "moe")
+    assert config.layer_kinds == ("mamba2", "attention", "mlp", "moe")
     assert config.moe.num_experts == 4 and config.moe.router == "sigmoid_grouped"
     assert config.moe.shared.intermediate_size == 96
 
@@ -112,12 +112,12 @@ def test_hybrid_override_pattern_maps_every_symbol():
 @pytest.mark.parametrize(
     ("names", "kinds"),
     [
-        (["mamba", "attention", "mlp", "moe"], ("mamba", "attention", "mlp", "moe")),
+        (["mamba", "attention", "mlp", "moe"], ("mamba2", "attention", "mlp", "moe")),
         (
             ["linear_attention", "full_attention", "mlp", "moe"],
-            ("mamba", "attention", "mlp", "moe"),
+            ("mamba2", "attention", "mlp", "moe"),
         ),
-        (["mamba2", "full_attention", "mamba"], ("mamba", "attention", "mamba")),
+        (["mamba2", "full_attention", "mamba"], ("mamba2", "attention", "mamba2")),
     ],
 )
 @pytest.mark.parametrize("field", ["layers_block_type", "layer_types"])
@@ -128,7 +128,7 @@ def test_layer_type_lists_accept_current_and_legacy_names(field, names, kinds):
 
 def test_a_layer_list_wins_over_the_pattern():
     raw = nemotron(hybrid_override_pattern="MMMM", layers_block_type=["mamba", "attention"])
-    assert parse(raw).layer_kinds == ("mamba", "attention")
+    assert parse(raw).layer_kinds == ("mamba2", "attention")
 
 
 def test_transformers_nemotron_h_config_round_trips():
@@ -151,9 +151,9 @@ def test_transformers_nemotron_h_config_round_trips():
     )
     raw = json.loads(hf.to_json_string())  # as it lands in config.json
     config = parse(raw)
-    assert config.layer_kinds == ("mamba", "attention", "mlp", "moe")
-    assert (config.mamba.dt_min, config.mamba.dt_max) == (0.0, math.inf)
-    assert config.mamba.n_groups == 2 and config.mamba.head_dim == 8
+    assert config.layer_kinds == ("mamba2", "attention", "mlp", "moe")
+    assert (config.mamba2.dt_min, config.mamba2.dt_max) == (0.0, math.inf)
+    assert config.mamba2.n_groups == 2 and config.mamba2.head_dim == 8
 
 
 def test_unknown_pattern_symbol_names_file_field_and_symbol():
@@ -214,12 +214,12 @@ def test_legacy_mamba_aliases():
         mamba_d_conv=3,
         mamba_chunk_size=32,
     )
-    spec = parse(raw).mamba
+    spec = parse(raw).mamba2
     assert (spec.n_groups, spec.conv_kernel, spec.chunk_size) == (4, 3, 32)
 
 
 def test_current_names_win_over_legacy_aliases():
-    spec = parse(nemotron(n_groups=2, mamba_n_groups=4)).mamba
+    spec = parse(nemotron(n_groups=2, mamba_n_groups=4)).mamba2
     assert spec.n_groups == 2
 
 
@@ -240,7 +240,7 @@ def test_an_alias_with_a_wrong_value_is_named_by_its_own_name():
     ],
 )
 def test_time_step_limit(value, limit):
-    spec = parse(nemotron(time_step_limit=value)).mamba
+    spec = parse(nemotron(time_step_limit=value)).mamba2
     assert (spec.dt_min, spec.dt_max) == limit
 
 
@@ -254,7 +254,7 @@ def test_time_step_limit_alias_from_json_text():
     text = json.dumps(nemotron(time_step_limit=_DROP, mamba_dt_limit=[0.0, math.inf]))
     assert '"mamba_dt_limit": [0.0, Infinity]' in text  # what json writes for inf
     raw = json.loads(text)
-    spec = parse(raw).mamba
+    spec = parse(raw).mamba2
     assert (spec.dt_min, spec.dt_max) == (0.0, math.inf)
 
 
@@ -273,17 +273,17 @@ def test_bamba_attention_indices_interleave_mixers_and_mlps():
     config = parse(bamba())
     assert config.architecture == "bamba"
     assert config.layer_kinds == (
-        "mamba", "mlp", "attention", "mlp", "mamba", "mlp", "attention", "mlp"
+        "mamba2", "mlp", "attention", "mlp", "mamba2", "mlp", "attention", "mlp"
     )  # fmt: skip
     assert config.mlp.gated and config.mlp.intermediate_size == 96
     assert config.attention.rope.rotary_dim == 8  # half of head_dim 16
     assert config.attention.rope.theta == 10000.0
-    assert (config.mamba.num_heads, config.mamba.head_dim, config.mamba.n_groups) == (8, 16, 2)
+    assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.n_groups) == (8, 16, 2)
 
 
 def test_bamba_without_attention_layers():
     config = parse(bamba(attn_layer_indices=None))
-    assert config.layer_kinds == ("mamba", "mlp") * 4
+    assert config.layer_kinds == ("mamba2", "mlp") * 4
     assert config.attention is None
 
 
@@ -320,7 +320,7 @@ def test_bamba_mamba_head_geometry_is_checked():
 def test_granite_layer_types_current_and_legacy(names):
     config = parse(granite(layer_types=names))
     assert config.architecture == "granitemoehybrid"
-    assert config.layer_kinds == ("mamba", "moe", "attention", "moe")
+    assert config.layer_kinds == ("mamba2", "moe", "attention", "moe")
     assert config.moe.router == "softmax_topk" and config.moe.gated
     assert config.moe.shared.intermediate_size == 48
     assert config.mlp is None
@@ -329,13 +329,13 @@ def test_granite_layer_types_current_and_legacy(names):
 
 def test_granite_without_layer_types_is_all_mamba():
     config = parse(granite(layer_types=_DROP, num_hidden_layers=3))
-    assert config.layer_kinds == ("mamba", "moe") * 3
+    assert config.layer_kinds == ("mamba2", "moe") * 3
     assert config.attention is None
 
 
 def test_granite_without_experts_is_a_dense_shared_mlp():
     config = parse(granite(num_local_experts=0))
-    assert config.layer_kinds == ("mamba", "mlp", "attention", "mlp")
+    assert config.layer_kinds == ("mamba2", "mlp", "attention", "mlp")
     assert config.moe is None
     assert config.mlp.intermediate_size == 48 and config.mlp.gated
 
@@ -374,5 +374,84 @@ def test_unsupported_model_type_lists_the_supported_ones(model_type):
     assert error.field == "model_type"
     assert str(error) == (
         f"ckpt/config.json: field 'model_type': unsupported model type {model_type!r} "
-        "(supported: bamba, granitemoehybrid, nemotron_h)"
+        "(supported: bamba, granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, "
+        "qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
     )
+
+
+# ---- Gated DeltaNet (Qwen3-Next, Qwen3.5) -------------------------------------------------
+
+
+def qwen(model_type: str = "qwen3_5_text", **changes: Any) -> dict[str, Any]:
+    return {
+        "model_type": model_type,
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_key_head_dim": 12,
+        "linear_value_head_dim": 10,
+        "rms_norm_eps": 1e-6,
+    } | changes
+
+
+def test_a_qwen3_5_config_parses_to_gdn_and_gated_attention_sublayers():
+    config = parse(qwen())
+    # No layer_types: every fourth layer is full attention (full_attention_interval 4).
+    assert config.layer_kinds == ("gdn", "mlp") * 3 + ("attention", "mlp")
+    assert config.zero_centred_norms and config.recurrent_kind == "gdn"
+    assert config.attention is not None and config.attention.output_gate
+    assert config.attention.qk_norm_eps == 1e-6
+    assert config.attention.rope is not None and config.attention.rope.rotary_dim == 4  # 0.25
+    gdn = config.gdn
+    assert gdn is not None and (gdn.key_dim, gdn.value_dim, gdn.conv_dim) == (24, 60, 108)
+    conv, recurrent = config.recurrent_state.tensors  # type: ignore[union-attr]
+    assert [(s.size, s.units) for s in conv.sections] == [(24, 2), (24, 2), (60, 6)]
+    assert conv.local_shape(2) == (12 + 12 + 30, 3) and recurrent.local_shape(2) == (3, 12, 10)
+    assert conv.role == "conv" and recurrent.role == "recurrent"
+
+
+def test_qwen3_next_moe_layers_follow_sparse_step_and_mlp_only_layers():
+    raw = qwen(
+        "qwen3_next",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=False,
+    )
+    config = parse(raw)
+    assert config.layer_kinds[1::2] == ("mlp", "moe", "mlp", "mlp")
+    assert config.moe is not None and config.moe.shared_gate and not config.moe.norm_topk_prob
+
+
+def test_an_image_text_checkpoint_is_read_through_its_text_config():
+    raw = {"model_type": "qwen3_5", "text_config": qwen(), "vision_config": {"depth": 1}}
+    assert parse(raw).layer_kinds == parse(qwen()).layer_kinds
+    error = config_error({"model_type": "qwen3_5_moe"})
+    assert error.field == "text_config" and "expected an object, got None" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"layer_types": ["linear_attention", "mamba", "full_attention", "full_attention"]},
+         "layer_types",
+         "unknown layer type 'mamba' at index 1 (known: full_attention, linear_attention)"),
+        ({"linear_num_value_heads": 5}, "linear_num_value_heads",
+         "5 is not a multiple of linear_num_key_heads=2"),
+        ({"hidden_act": "gelu"}, "hidden_act", "must be silu for these models, got 'gelu'"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types",
+         "lists 3 layers but num_hidden_layers is 4"),
+    ],
+)  # fmt: skip
+def test_a_bad_qwen_config_is_refused_naming_the_field(changes, field, message):
+    error = config_error(qwen(**changes))
+    assert error.field == field and message in str(error)

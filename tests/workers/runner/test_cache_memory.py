@@ -22,8 +22,7 @@ def pools(dtype: torch.dtype, head_dim: int = 8) -> StateCaches:
 
     return StateCaches(
         kv=filled(4, 2, 2, 2, 16, head_dim),
-        conv=filled(3, 2, 24, 3),
-        ssm=filled(3, 2, 4, head_dim, 16),
+        state={"conv": filled(3, 2, 24, 3), "ssm": filled(3, 2, 4, head_dim, 16)},
     )
 
 
@@ -33,7 +32,7 @@ def test_ops_move_exactly_their_bytes(dtype):
     device, host = memory.device, memory.host
     assert host is not None
     expected_kv, expected_conv, expected_ssm = (
-        t.clone() for t in (device.kv, device.conv, device.ssm)
+        t.clone() for t in (device.kv, device.state["conv"], device.state["ssm"])
     )
     memory.apply(
         [
@@ -45,13 +44,15 @@ def test_ops_move_exactly_their_bytes(dtype):
     expected_kv[3, :, :, :, :5] = expected_kv[0, :, :, :, :5]
     expected_conv[0], expected_ssm[0] = expected_conv[2], expected_ssm[2]
     assert torch.equal(device.kv, expected_kv)
-    assert torch.equal(device.conv, expected_conv) and torch.equal(device.ssm, expected_ssm)
+    assert torch.equal(device.state["conv"], expected_conv) and torch.equal(
+        device.state["ssm"], expected_ssm
+    )
     assert torch.equal(host.kv[1], device.kv[1])
-    host.conv[1].fill_(7)
-    host.ssm[1].fill_(-3)
+    host.state["conv"][1].fill_(7)
+    host.state["ssm"][1].fill_(-3)
     memory.apply([LoadSlot(host_slot=1, slot=1)])
-    assert (device.conv[1] == 7).all() and (device.ssm[1] == -3).all()
-    assert torch.equal(device.conv[2], expected_conv[2])  # its neighbours untouched
+    assert (device.state["conv"][1] == 7).all() and (device.state["ssm"][1] == -3).all()
+    assert torch.equal(device.state["conv"][2], expected_conv[2])  # its neighbours untouched
 
 
 def test_ops_applied_off_the_stepping_thread_start_no_openmp_team():
@@ -69,4 +70,4 @@ def test_ops_applied_off_the_stepping_thread_start_no_openmp_team():
     on_new_thread_with_torch_threads(receiving_thread)
     assert counts == [0]
     assert torch.equal(memory.device.kv[1], memory.device.kv[0])
-    assert torch.equal(memory.device.ssm[1], memory.device.ssm[0])
+    assert torch.equal(memory.device.state["ssm"][1], memory.device.state["ssm"][0])

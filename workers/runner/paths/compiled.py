@@ -140,7 +140,7 @@ def _own_copy(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
 
 
 def _pools(caches: StateCaches) -> list[torch.Tensor]:
-    return [pool for pool in (caches.kv, caches.conv, caches.ssm) if pool is not None]
+    return list(caches.pools().values())
 
 
 def _warm_up_batch(rows: int, caches: StateCaches) -> ForwardBatch:
@@ -158,7 +158,7 @@ def _warm_up_batch(rows: int, caches: StateCaches) -> ForwardBatch:
         num_decode=rows,
         block_tables=ints([[0, 0]] * rows),
         seq_lens=ints([2] * rows),
-        mamba_slots=ints(list(range(rows))),
+        state_slots=ints(list(range(rows))),
         prefill_cu_seqlens=ints([0]),
         prefill_initial_slots=ints([]),
         logits_indices=ints(list(range(rows))),

@@ -8,7 +8,7 @@ persistent buffers (`DecodeInputs`) and a batch of R rows runs in the graph of t
 bucket B >= R, the rows past R padded:
 
     rows          | r0 | r1 | r2 | pad | pad | pad | pad | pad |     bucket 8, 3 rows
-    mamba_slots   | the requests' |  -1 (the conv and state updates skip the row)
+    state_slots   | the requests' |  -1 (the conv and state updates skip the row)
     slot_mapping  | KV slots      |  -1 (store_kv skips it)
     seq_lens      | context       |   0 (attention reads no block, outputs zeros)
 
@@ -63,7 +63,7 @@ class DecodeInputs:
     """Persistent device buffers for a decode batch of up to `max_rows` rows, filled from a
     host batch through a staging buffer (pinned on CUDA): two copies a step."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "mamba_slots")
+    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "state_slots")
 
     def __init__(
         self,
@@ -100,7 +100,7 @@ class DecodeInputs:
             num_decode=rows,
             block_tables=views["block_tables"][:rows],
             seq_lens=views["seq_lens"][:rows],
-            mamba_slots=views["mamba_slots"][:rows],
+            state_slots=views["state_slots"][:rows],
             prefill_cu_seqlens=self._zero,
             prefill_initial_slots=self._empty,
             logits_indices=self._arange[:rows],
@@ -120,7 +120,7 @@ class DecodeInputs:
         host["positions"][pad] = 0
         host["slot_mapping"][pad] = -1
         host["seq_lens"][pad] = 0
-        host["mamba_slots"][pad] = -1
+        host["state_slots"][pad] = -1
         # Two copies: the five per-row fields, then the table rows this bucket reads.
         fields_end = len(self.FIELDS) * self.max_rows
         tables_end = fields_end + bucket * host["block_tables"].shape[1]
@@ -190,7 +190,7 @@ class DecodeGraphs:
             num_decode=0,
             block_tables=torch.zeros(0, 2, dtype=torch.int64),
             seq_lens=torch.zeros(0, dtype=torch.int64),
-            mamba_slots=torch.zeros(0, dtype=torch.int64),
+            state_slots=torch.zeros(0, dtype=torch.int64),
             prefill_cu_seqlens=torch.zeros(1, dtype=torch.int64),
             prefill_initial_slots=torch.zeros(0, dtype=torch.int64),
             logits_indices=torch.zeros(0, dtype=torch.int64),

@@ -215,6 +215,8 @@ class NativePath(ForwardPath):
             layer.conv_silu = spec.activation == "silu"  # as the conv kernels read it
             layer.gate_eps, layer.dt_min, layer.dt_max = spec.norm_eps, spec.dt_min, spec.dt_max
         elif isinstance(op, Attention):
+            if op.output_gate or op.q_norm is not None:
+                raise Unsupported("gated attention with q/k norms (Qwen3-Next, Qwen3.5)")
             layer.kind = cpu_decode_step.KIND_ATTENTION
             for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
                 layer.in_[i] = self._linear(proj.weight, proj.bias)
@@ -261,19 +263,20 @@ def _pool_fields(caches: StateCaches) -> dict[str, object]:
     layer) state and each block's (Hkv, block_size, D) must be contiguous fp32 on the CPU."""
     fields: dict[str, object] = {}
     float_p = ctypes.POINTER(ctypes.c_float)
-    for name, pool in (("conv", caches.conv), ("ssm", caches.ssm), ("kv", caches.kv)):
-        if pool is None:
-            continue
+    pools = caches.pools()
+    for name, pool in pools.items():
+        if name not in ("kv", "conv", "ssm"):
+            raise Unsupported(f"the {name} state pool (the C step knows Mamba2 state only)")
         if pool.device.type != "cpu" or pool.dtype != torch.float32:
             raise Unsupported(f"the {name} pool is {pool.dtype} on {pool.device}")
         inner = pool[0, 0, 0] if name == "kv" else pool[0, 0]
         if not inner.is_contiguous():
             raise Unsupported(f"the {name} pool's states are not contiguous")
         fields[f"{name}_pool"] = ctypes.cast(pool.data_ptr(), float_p)
-    if caches.conv is not None:
-        fields["conv_slot_stride"], fields["conv_layer_stride"] = caches.conv.stride()[:2]
-    if caches.ssm is not None:
-        fields["ssm_slot_stride"], fields["ssm_layer_stride"] = caches.ssm.stride()[:2]
+    for name in ("conv", "ssm"):
+        if name in pools:
+            strides = pools[name].stride()
+            fields[f"{name}_slot_stride"], fields[f"{name}_layer_stride"] = strides[:2]
     if caches.kv is not None:
         kv = caches.kv
         fields["kv_block_stride"], fields["kv_layer_stride"] = kv.stride()[:2]

@@ -83,20 +83,32 @@ def decode_batch(rows: int, width: int, block_size: int) -> ForwardBatch:
         num_decode=rows,
         block_tables=ints(tables),
         seq_lens=ints([p + 1 for p in positions]),
-        mamba_slots=ints([1 + row for row in range(rows)]),
+        state_slots=ints([1 + row for row in range(rows)]),
         prefill_cu_seqlens=ints([0]),
         prefill_initial_slots=ints([]),
         logits_indices=ints(list(range(rows))),
     )
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_checkpoint(tmp_path_factory) -> str:
+    return str(save_hf_checkpoint(make_hf_model("qwen3_5"), tmp_path_factory.mktemp("qwen")))
+
+
+@pytest.fixture(params=["tiny", "qwen3_5"])
+def model(request) -> str:
+    """A Mamba2 hybrid (tiny) or a Gated DeltaNet one."""
+    return "tiny" if request.param == "tiny" else request.getfixturevalue("qwen3_5_checkpoint")
+
+
 @torch.inference_mode()
-def test_padding_rows_write_no_state_and_leave_the_rows_unchanged():
-    """Three rows padded to a bucket of eight through the persistent buffers, on the torch
-    reference kernels: the rows' hidden states and every pool equal an unpadded step's."""
-    runner = LLM("tiny", device="cpu", block_size=8).engine.executor.driver
+def test_padding_rows_write_no_state_and_leave_the_rows_unchanged(model):
+    """Three rows padded to a bucket of eight through the persistent buffers, on the CPU
+    kernels: the rows' hidden states and every pool equal an unpadded step's."""
+    runner = LLM(model, device="cpu", block_size=8).engine.executor.driver
     caches = runner.caches
-    pools = (caches.kv, caches.conv, caches.ssm)
+    names = tuple(caches.pools())
+    pools = tuple(caches.pools().values())
     generator = torch.Generator().manual_seed(0)
     for pool in pools:
         pool.copy_(torch.randn(pool.shape, generator=generator))
@@ -112,13 +124,13 @@ def test_padding_rows_write_no_state_and_leave_the_rows_unchanged():
     padded = runner.model(inputs.batch(8), caches)
 
     torch.testing.assert_close(padded[:3], unpadded, rtol=1e-5, atol=1e-5)
-    for name, pool, expected in zip(("kv", "conv", "ssm"), pools, unpadded_pools, strict=True):
+    for name, pool, expected in zip(names, pools, unpadded_pools, strict=True):
         torch.testing.assert_close(pool, expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graph_replays_equal_eager_steps_as_the_batch_shrinks_through_the_buckets():
+def test_graph_replays_equal_eager_steps_as_the_batch_shrinks_through_the_buckets(model):
     """Ten requests finishing at different lengths: decode steps of 10 rows down to 1 replay
     the graphs of buckets 16, 8, 4, 2 and 1, with tables of 1 to 9 blocks; the tokens equal
     an engine that runs every step eagerly."""
@@ -127,9 +139,9 @@ def test_graph_replays_equal_eager_steps_as_the_batch_shrinks_through_the_bucket
         SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    eager = LLM("tiny", device="cuda", forward_paths=("eager",))
+    eager = LLM(model, device="cuda", forward_paths=("eager",))
     expected = [o.token_ids for o in eager.generate(prompts, uneven)]
-    llm = LLM("tiny", device="cuda")
+    llm = LLM(model, device="cuda")
     path = llm.engine.executor.driver.path("cuda_graphs")
     assert path is not None and path.graphs.buckets == bucket_sizes(64)
     graphs = path.graphs

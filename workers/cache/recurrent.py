@@ -1,6 +1,6 @@
-"""MambaStateManager: live slots for running requests and snapshot slots for the prefix tree.
+"""RecurrentStateManager: live slots for running requests and snapshot slots for the prefix tree.
 
-The Mamba state pools have `num_live_slots + num_snapshot_slots` slots:
+The recurrent state pools have `num_live_slots + num_snapshot_slots` slots:
 
     slot:  0 ........ num_live_slots-1 | num_live_slots ........ total-1
            live (one per running request,  snapshots (owned by prefix-tree nodes,
@@ -9,10 +9,14 @@ The Mamba state pools have `num_live_slots + num_snapshot_slots` slots:
 Keeping the two apart keeps live slots packed at the low end (decode rows then cover one
 contiguous run) and makes "enough slots for every running request" a fixed fact.
 
-Reuse rule for Mamba: a snapshot is the state after exactly `position` tokens, so only exact
-snapshot positions are reusable, never "anywhere inside a block". The deepest snapshot on the
-matched path wins; a snapshot past the point where the lookup leaves the tree is never used
-(it holds tokens the new request does not have).
+What a slot holds (a Mamba2 layer's conv window and SSM state, a Gated DeltaNet layer's conv
+window and key x value state, for every recurrent layer) is the model runner's business
+(models/recurrent_state.py); here a slot is an id.
+
+Reuse rule for recurrent state: a snapshot is the state after exactly `position` tokens, so
+only exact snapshot positions are reusable, never "anywhere inside a block". The deepest
+snapshot on the matched path wins; a snapshot past the point where the lookup leaves the tree is
+never used (it holds tokens the new request does not have).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class SnapshotPool:
         self, first_slot: int, num_slots: int, on_evict: Callable[[Snapshot], None]
     ) -> None:
         self.first_slot = first_slot
-        self.ids = IdPool("Mamba snapshot slots", num_slots)
+        self.ids = IdPool("state snapshot slots", num_slots)
         self.on_evict = on_evict
         # Snapshots holding a device slot, least recently used first.
         self._lru: OrderedDict[Snapshot, None] = OrderedDict()
@@ -95,7 +99,7 @@ class SnapshotPool:
         )
 
 
-class MambaStateManager:
+class RecurrentStateManager:
     def __init__(
         self,
         num_live_slots: int,
@@ -108,10 +112,10 @@ class MambaStateManager:
         self.num_live_slots = num_live_slots
         self.ops = ops
         self.events = events
-        self.live = IdPool("Mamba live slots", num_live_slots, order="lowest")
+        self.live = IdPool("state live slots", num_live_slots, order="lowest")
         self.snapshots = SnapshotPool(num_live_slots, num_snapshot_slots, self._evict)
         self.host = (
-            HostRegion("host Mamba slots", num_host_slots, self._drop_host_copy)
+            HostRegion("host state slots", num_host_slots, self._drop_host_copy)
             if num_host_slots
             else None
         )

@@ -1,0 +1,122 @@
+/* The gated delta rule (Gated DeltaNet) on the CPU: the decode step and the prompt scan.
+
+   Per value head h (its key head: h / (Hv / Hk)), with q and k L2-normalised and q scaled by
+   Dk^-1/2, the state S (Dk x Dv, row-major) advances by one token as
+
+       S = exp(g) * S;   delta = beta * (v - S^T k);   S += k delta^T;   o = S^T q
+
+   which is two passes over S: the decay while accumulating S^T k, then the update while
+   accumulating S^T q (each a run over Dv contiguous floats: it vectorises). The prompt scan
+   runs the same recurrence token by token, one (sequence, value head) per OpenMP iteration,
+   with the state in a local buffer: exact where the chunked form reorders sums, and on a CPU
+   as fast at these head sizes. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define L2_EPS 1e-6f
+
+/* q and k of one token's key head, normalised (q also scaled) into qn, kn. */
+static void normalise(const float *q, const float *k, int64_t Dk, float *qn, float *kn) {
+    float qq = 0.0f, kk = 0.0f;
+    for (int64_t i = 0; i < Dk; ++i) {
+        qq += q[i] * q[i];
+        kk += k[i] * k[i];
+    }
+    const float q_scale = 1.0f / sqrtf(qq + L2_EPS) / sqrtf((float)Dk);
+    const float k_scale = 1.0f / sqrtf(kk + L2_EPS);
+    for (int64_t i = 0; i < Dk; ++i) {
+        qn[i] = q[i] * q_scale;
+        kn[i] = k[i] * k_scale;
+    }
+}
+
+/* One token through state S (Dk x Dv); qn, kn normalised; scratch: Dv floats. */
+static void advance(float *S, int64_t Dk, int64_t Dv, const float *qn, const float *kn,
+                    const float *v, float g, float beta, float *scratch, float *out) {
+    const float decay = expf(g);
+    float *delta = scratch;
+    for (int64_t j = 0; j < Dv; ++j) delta[j] = 0.0f;
+    for (int64_t i = 0; i < Dk; ++i) {
+        float *row = S + i * Dv;
+        const float ki = kn[i];
+        for (int64_t j = 0; j < Dv; ++j) {
+            row[j] *= decay;
+            delta[j] += row[j] * ki;
+        }
+    }
+    for (int64_t j = 0; j < Dv; ++j) {
+        delta[j] = beta * (v[j] - delta[j]);
+        out[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < Dk; ++i) {
+        float *row = S + i * Dv;
+        const float ki = kn[i], qi = qn[i];
+        for (int64_t j = 0; j < Dv; ++j) {
+            row[j] += ki * delta[j];
+            out[j] += row[j] * qi;
+        }
+    }
+}
+
+/* Decode rows. pool: the layer's state of slot 0 (Hv, Dk, Dv per slot, contiguous); slot s
+   starts slot_stride floats further. q, k: (rows, Hk, Dk); v, out: (rows, Hv, Dv); g, beta:
+   (rows, Hv). Rows with slot -1 are padding: out = 0, the pool untouched. */
+void gated_delta_step_f32(float *pool, int64_t slot_stride, const int64_t *slots, int64_t rows,
+                          int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, const float *q,
+                          const float *k, const float *v, const float *g, const float *beta,
+                          float *out) {
+    const int64_t per_key = Hv / Hk;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < Hv; ++h) {
+            float *o = out + (r * Hv + h) * Dv;
+            const int64_t slot = slots[r];
+            if (slot < 0) {
+                memset(o, 0, (size_t)Dv * sizeof(float));
+                continue;
+            }
+            float qn[Dk], kn[Dk], scratch[Dv];
+            const int64_t key = r * Hk + h / per_key;
+            normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
+            advance(pool + slot * slot_stride + h * Dk * Dv, Dk, Dv, qn, kn,
+                    v + (r * Hv + h) * Dv, g[r * Hv + h], beta[r * Hv + h], scratch, o);
+        }
+    }
+}
+
+/* Prompt sequences, packed: sequence s owns tokens [cu_seqlens[s], cu_seqlens[s + 1]). Its
+   state starts from slot initial_slots[s] (-1: zero) and ends in final_slots[s] (-1: not
+   written). q, k: (T, Hk, Dk); v, out: (T, Hv, Dv); g, beta: (T, Hv). A sequence may read and
+   write one slot; two sequences never share one. */
+void gated_delta_scan_f32(float *pool, int64_t slot_stride, const int64_t *cu_seqlens,
+                          int64_t num_seqs, const int64_t *initial_slots,
+                          const int64_t *final_slots, int64_t Hk, int64_t Hv, int64_t Dk,
+                          int64_t Dv, const float *q, const float *k, const float *v,
+                          const float *g, const float *beta, float *out) {
+    const int64_t per_key = Hv / Hk;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        for (int64_t h = 0; h < Hv; ++h) {
+            float *S = malloc((size_t)(Dk * Dv) * sizeof(float));
+            float qn[Dk], kn[Dk], scratch[Dv];
+            const int64_t first = initial_slots[s], last = final_slots[s];
+            if (first >= 0)
+                memcpy(S, pool + first * slot_stride + h * Dk * Dv,
+                       (size_t)(Dk * Dv) * sizeof(float));
+            else
+                memset(S, 0, (size_t)(Dk * Dv) * sizeof(float));
+            for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+                const int64_t key = t * Hk + h / per_key;
+                normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
+                advance(S, Dk, Dv, qn, kn, v + (t * Hv + h) * Dv, g[t * Hv + h],
+                        beta[t * Hv + h], scratch, out + (t * Hv + h) * Dv);
+            }
+            if (last >= 0)
+                memcpy(pool + last * slot_stride + h * Dk * Dv, S,
+                       (size_t)(Dk * Dv) * sizeof(float));
+            free(S);
+        }
+    }
+}

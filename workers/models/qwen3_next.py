@@ -1,0 +1,291 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet + gated attention hybrids.
+
+Each decoder layer is a mixer (`linear_attention`: Gated DeltaNet; `full_attention`: gated
+attention with zero-centred q/k norms and partial RoPE) followed by an FFN: a gated MLP, or a
+softmax-routed MoE with a sigmoid-gated shared expert. Each becomes two sublayers here. Every
+residual norm, the final norm and the q/k norms are zero-centred (weight 1 + w).
+
+Checkpoint forms:
+- Qwen3-Next (`qwen3_next`) fuses the DeltaNet projections per key head: `in_proj_qkvz` rows
+  are [q_h | k_h | v of h's value heads | z of them] for each key head h, `in_proj_ba` rows
+  [b | a] of h's value heads; the loader scatters them into our q | k | v | z | b | a rows.
+  Its MoE layers are those not in `mlp_only_layers` with (index + 1) % decoder_sparse_step == 0.
+- Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`) keeps `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+  `in_proj_a` apart; every FFN is an MLP (dense) or a MoE (`-moe`).
+- Qwen3.5's image-text checkpoints (`qwen3_5`, `qwen3_5_moe`: `...ForConditionalGeneration`)
+  nest the text model's config under `text_config` and its weights under
+  `model.language_model.`; they are served as text models, the vision tower skipped by name.
+Their multimodal RoPE, with every token's three position ids equal (text), is plain RoPE.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from hybridserve.workers.models.adapter import (
+    LAYER_NAME,
+    Alternatives,
+    WeightSource,
+    attention_spec,
+    single,
+)
+from hybridserve.workers.models.config import (
+    ConfigReader,
+    GatedDeltaNetSpec,
+    HybridModelConfig,
+    LayerKind,
+    MLPSpec,
+    MoESpec,
+    parse_layer_names,
+)
+
+_MIXERS: dict[str, LayerKind] = {"linear_attention": "gdn", "full_attention": "attention"}
+# The model's own weights sit under either prefix (text checkpoints, image-text checkpoints).
+_PREFIXES = ("model", "model.language_model")
+_ZERO_CENTRED = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+
+
+def _plus_one(tensor: torch.Tensor) -> torch.Tensor:
+    """A zero-centred norm's stored w -> the scale 1 + w, in float32."""
+    return tensor.float() + 1.0
+
+
+class Qwen3NextAdapter:
+    model_types = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+    # Multi-token-prediction heads and the vision tower: not part of the text model.
+    ignored_keys = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+
+    def parse_config(self, reader: ConfigReader) -> HybridModelConfig:
+        model_type = reader.raw["model_type"]
+        text = reader
+        tie_word_embeddings = reader.bool("tie_word_embeddings", False)
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
+            nested = reader.raw.get("text_config")
+            if not isinstance(nested, dict):
+                raise reader.error("text_config", f"expected an object, got {nested!r}")
+            text = ConfigReader(nested, f"{reader.file} (text_config)")
+            model_type = f"{model_type}_text"
+        mixers = self._mixers(text)
+        hidden = text.int("hidden_size")
+        eps = text.float("rms_norm_eps", 1e-6, positive=True)
+        activation = text.activation("hidden_act", "silu")
+        if activation != "silu":
+            raise text.error("hidden_act", f"must be silu for these models, got {activation!r}")
+        ffns = self._ffns(text, model_type, len(mixers))
+        attention = None
+        if "attention" in mixers:
+            spec = attention_spec(
+                text, hidden, bias=text.bool("attention_bias", False), rope_partial=0.25
+            )
+            attention = spec.model_copy(update={"output_gate": True, "qk_norm_eps": eps})
+        return HybridModelConfig(
+            architecture="qwen3_next" if model_type == "qwen3_next" else "qwen3_5",
+            vocab_size=text.int("vocab_size"),
+            hidden_size=hidden,
+            layer_kinds=tuple(k for pair in zip(mixers, ffns, strict=True) for k in pair),
+            norm_eps=eps,
+            max_position_embeddings=text.int("max_position_embeddings", 32768),
+            tie_word_embeddings=tie_word_embeddings or text.bool("tie_word_embeddings", False),
+            bos_token_id=text.raw.get("bos_token_id"),
+            eos_token_ids=text.token_ids("eos_token_id") or reader.token_ids("eos_token_id"),
+            pad_token_id=text.raw.get("pad_token_id"),
+            zero_centred_norms=True,
+            gdn=self._gdn(text, eps) if "gdn" in mixers else None,
+            attention=attention,
+            mlp=(
+                MLPSpec(
+                    intermediate_size=text.int("intermediate_size"),
+                    activation="silu",
+                    gated=True,
+                    bias=False,
+                )
+                if "mlp" in ffns
+                else None
+            ),
+            moe=self._moe(text, model_type) if "moe" in ffns else None,
+        )
+
+    @staticmethod
+    def _mixers(reader: ConfigReader) -> list[LayerKind]:
+        if reader.has("layer_types"):
+            kinds = parse_layer_names(reader, "layer_types", {"gdn", "attention"}, _MIXERS)
+            if reader.has("num_hidden_layers") and reader.int("num_hidden_layers") != len(kinds):
+                raise reader.error(
+                    "layer_types",
+                    f"lists {len(kinds)} layers but num_hidden_layers is "
+                    f"{reader.raw['num_hidden_layers']}",
+                )
+            return kinds
+        interval = reader.int("full_attention_interval", 4)
+        return [
+            "attention" if (i + 1) % interval == 0 else "gdn"
+            for i in range(reader.int("num_hidden_layers"))
+        ]
+
+    @staticmethod
+    def _ffns(reader: ConfigReader, model_type: str, num_layers: int) -> list[LayerKind]:
+        if model_type == "qwen3_5_text":
+            return ["mlp"] * num_layers
+        if model_type == "qwen3_5_moe_text":
+            return ["moe"] * num_layers
+        if reader.int("num_experts", 0, minimum=0) == 0:
+            return ["mlp"] * num_layers
+        step = reader.int("decoder_sparse_step", 1)
+        mlp_only = reader.raw.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise reader.error("mlp_only_layers", f"expected layer indices, got {mlp_only!r}")
+        return [
+            "moe" if i not in mlp_only and (i + 1) % step == 0 else "mlp" for i in range(num_layers)
+        ]
+
+    @staticmethod
+    def _gdn(reader: ConfigReader, eps: float) -> GatedDeltaNetSpec:
+        spec = GatedDeltaNetSpec(
+            num_key_heads=reader.int("linear_num_key_heads"),
+            num_value_heads=reader.int("linear_num_value_heads"),
+            key_head_dim=reader.int("linear_key_head_dim"),
+            value_head_dim=reader.int("linear_value_head_dim"),
+            conv_kernel=reader.int("linear_conv_kernel_dim", 4, minimum=2),
+            norm_eps=eps,
+        )
+        if spec.num_value_heads % spec.num_key_heads:
+            raise reader.error(
+                "linear_num_value_heads",
+                f"{spec.num_value_heads} is not a multiple of linear_num_key_heads="
+                f"{spec.num_key_heads}",
+            )
+        return spec
+
+    @staticmethod
+    def _moe(reader: ConfigReader, model_type: str) -> MoESpec:
+        shared_size = reader.int("shared_expert_intermediate_size", 0, minimum=0)
+        return MoESpec(
+            num_experts=reader.int("num_experts"),
+            top_k=reader.int("num_experts_per_tok"),
+            intermediate_size=reader.int("moe_intermediate_size"),
+            activation="silu",
+            gated=True,
+            router="softmax_topk",
+            # Qwen3.5-MoE always renormalises the chosen experts' probabilities.
+            norm_topk_prob=model_type != "qwen3_next" or reader.bool("norm_topk_prob", True),
+            shared=(
+                MLPSpec(intermediate_size=shared_size, activation="silu", gated=True, bias=False)
+                if shared_size
+                else None
+            ),
+            shared_gate=bool(shared_size),
+        )
+
+    def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
+        if name == "lm_head":
+            return single("lm_head.weight")
+        return [alt for prefix in _PREFIXES for alt in self._sources(config, name, prefix)]
+
+    def _sources(self, config: HybridModelConfig, name: str, prefix: str) -> Alternatives:
+        if name == "embed.weight":
+            return single(f"{prefix}.embed_tokens.weight")
+        if name == "final_norm.weight":
+            return [[WeightSource(f"{prefix}.norm.weight", transform=_plus_one)]]
+        match = LAYER_NAME.fullmatch(name)
+        assert match is not None, name
+        index, is_ffn, rest = int(match[1]) // 2, int(match[1]) % 2 == 1, match[2]
+        layer = f"{prefix}.layers.{index}"
+        if rest == "norm.weight":
+            norm = "post_attention_layernorm" if is_ffn else "input_layernorm"
+            return [[WeightSource(f"{layer}.{norm}.weight", transform=_plus_one)]]
+        param = rest.removeprefix("op.")
+        if is_ffn:
+            return self._ffn_sources(config, f"{layer}.mlp", param)
+        if config.layer_kinds[2 * index] == "attention":
+            if param in ("q_norm.weight", "k_norm.weight"):
+                return [[WeightSource(f"{layer}.self_attn.{param}", transform=_plus_one)]]
+            return single(f"{layer}.self_attn.{param}")
+        return self._gdn_sources(config, f"{layer}.linear_attn", param)
+
+    @staticmethod
+    def _gdn_sources(config: HybridModelConfig, mixer: str, param: str) -> Alternatives:
+        spec = config.gdn
+        assert spec is not None
+        renames = {"conv_weight": "conv1d.weight", "norm_weight": "norm.weight"}
+        if param != "in_proj.weight":
+            return single(f"{mixer}.{renames.get(param, param)}")
+        kd, vd, hv = spec.key_dim, spec.value_dim, spec.num_value_heads
+        qkvz_rows, ba_rows = _fused_rows(spec)
+        return [
+            [  # Qwen3.5: one tensor per section
+                WeightSource(f"{mixer}.in_proj_qkv.weight", slice(0, 2 * kd + vd)),
+                WeightSource(f"{mixer}.in_proj_z.weight", slice(2 * kd + vd, 2 * kd + 2 * vd)),
+                WeightSource(
+                    f"{mixer}.in_proj_b.weight", slice(2 * kd + 2 * vd, 2 * kd + 2 * vd + hv)
+                ),
+                WeightSource(f"{mixer}.in_proj_a.weight", slice(2 * kd + 2 * vd + hv, None)),
+            ],
+            [  # Qwen3-Next: fused per key head, scattered into our rows
+                WeightSource(f"{mixer}.in_proj_qkvz.weight", qkvz_rows),
+                WeightSource(f"{mixer}.in_proj_ba.weight", ba_rows),
+            ],
+        ]
+
+    @staticmethod
+    def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
+        def gate_up(owner: str, size: int, index: Any = ()) -> list[WeightSource]:
+            prefix = index if isinstance(index, tuple) else (index,)
+            return [
+                WeightSource(f"{owner}.gate_proj.weight", (*prefix, slice(0, size))),
+                WeightSource(f"{owner}.up_proj.weight", (*prefix, slice(size, 2 * size))),
+            ]
+
+        if param == "gate_up_proj.weight":  # a dense layer's MLP
+            assert config.mlp is not None
+            return [gate_up(ffn, config.mlp.intermediate_size)]
+        if param == "down_proj.weight":
+            return single(f"{ffn}.down_proj.weight")
+        moe = config.moe
+        assert moe is not None
+        if param == "router.weight":
+            return single(f"{ffn}.gate.weight")
+        if param == "shared_gate.weight":
+            return single(f"{ffn}.shared_expert_gate.weight")
+        if param == "shared.gate_up_proj.weight":
+            assert moe.shared is not None
+            return [gate_up(f"{ffn}.shared_expert", moe.shared.intermediate_size)]
+        if param == "shared.down_proj.weight":
+            return single(f"{ffn}.shared_expert.down_proj.weight")
+        experts = range(moe.num_experts)
+        if param == "experts.up":
+            size = moe.intermediate_size
+            return [
+                [WeightSource(f"{ffn}.experts.gate_up_proj")],
+                [s for e in experts for s in gate_up(f"{ffn}.experts.{e}", size, e)],
+            ]
+        assert param == "experts.down", param
+        return [
+            [WeightSource(f"{ffn}.experts.down_proj")],
+            [WeightSource(f"{ffn}.experts.{e}.down_proj.weight", e) for e in experts],
+        ]
+
+
+def _fused_rows(spec: GatedDeltaNetSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row of Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` goes in our in_proj rows
+    q | k | v | z | b | a: key head h's rows are [q_h | k_h | v_h | z_h] and [b_h | a_h], its
+    value heads being h * r ... h * r + r - 1 (r = Hv / Hk)."""
+    dk, dv, hk, hv = (
+        spec.key_head_dim,
+        spec.value_head_dim,
+        spec.num_key_heads,
+        spec.num_value_heads,
+    )
+    r = hv // hk
+    kd, vd = spec.key_dim, spec.value_dim
+    qkvz, ba = [], []
+    for h in range(hk):
+        qkvz += range(h * dk, (h + 1) * dk)  # q
+        qkvz += range(kd + h * dk, kd + (h + 1) * dk)  # k
+        qkvz += range(2 * kd + h * r * dv, 2 * kd + (h + 1) * r * dv)  # v
+        qkvz += range(2 * kd + vd + h * r * dv, 2 * kd + vd + (h + 1) * r * dv)  # z
+        ba += range(2 * kd + 2 * vd + h * r, 2 * kd + 2 * vd + (h + 1) * r)  # b
+        ba += range(2 * kd + 2 * vd + hv + h * r, 2 * kd + 2 * vd + hv + (h + 1) * r)  # a
+    return torch.tensor(qkvz), torch.tensor(ba)
