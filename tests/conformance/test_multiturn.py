@@ -10,7 +10,7 @@ the reference.
 
 Runs on tiny random checkpoints of every architecture (the Qwen3.5 image-text checkpoint is the
 text model's weights in other names: its loading and outputs are checked in
-tests/workers/test_parity.py); set HYBRIDSERVE_CONFORMANCE_MODEL to an
+tests/workers/test_parity.py) and on a block-FP8 Qwen3-Next; set HYBRIDSERVE_CONFORMANCE_MODEL to an
 HF checkpoint folder to run it against that model instead. One configuration per architecture
 also runs at tensor_parallel_size 2 (the same transcripts: TP 1 without reuse is the oracle).
 """
@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from hybridserve.workers import LLM, SamplingParams
+from tests.fp8 import write_pair
 from tests.helpers import ARCHITECTURES, assert_pools_at_baseline, make_hf_model, random_prompts
 
 NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 12, 4, 12
@@ -54,9 +55,14 @@ TP_CONFIGS = {
     "qwen3_next": "eviction",
     "qwen3_5": "budget-below-interval",
     "qwen3_5_moe": "save-last-only",
+    "qwen3_next-fp8": "partial-reuse-off",
     "given": "interval-and-save-last",
 }
-CONFORMANCE_ARCHITECTURES = tuple(arch for arch in ARCHITECTURES if arch != "qwen3_5_vl")
+# Every architecture, and one block-FP8 checkpoint (tests/fp8.py's quantizer).
+CONFORMANCE_ARCHITECTURES = (
+    *(arch for arch in ARCHITECTURES if arch != "qwen3_5_vl"),
+    "qwen3_next-fp8",
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,11 @@ def build_transcripts(model: str) -> list[Turn]:
 def transcripts(request, tmp_path_factory) -> tuple[str, str, list[Turn]]:
     model = os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
     if model is None:
-        folder: Path = tmp_path_factory.mktemp(request.param)
-        make_hf_model(request.param).save_pretrained(folder)
+        arch, _, quantized = request.param.partition("-")
+        folder: Path = tmp_path_factory.mktemp(arch)
+        make_hf_model(arch).save_pretrained(folder)
+        if quantized:
+            folder, _ = write_pair(folder, tmp_path_factory.mktemp("fp8"), "block")
         model = str(folder)
     return request.param, model, build_transcripts(model)
 

@@ -27,6 +27,7 @@ from hybridserve.workers.models.config import (
     WeightError,
 )
 from hybridserve.workers.models.hybrid import HybridForCausalLM
+from hybridserve.workers.models.quantization import WeightFormat, load_weight, weight_format
 from hybridserve.workers.models.registry import get_adapter
 
 
@@ -94,9 +95,12 @@ class Checkpoint:
     generation_eos_ids: tuple[int, ...] = ()
     adapter: ArchitectureAdapter = field(init=False)
     config: HybridModelConfig = field(init=False)
+    # How its quantized weights become float (None: a float checkpoint).
+    weight_format: WeightFormat | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.adapter, self.config = _parse_config(self.raw_config, self.config_file)
+        self.weight_format = weight_format(self.raw_config, self.config_file)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -147,22 +151,9 @@ def read_model_config(model: str) -> HybridModelConfig:
 def _parse_config(
     raw: dict[str, Any], config_file: str
 ) -> tuple[ArchitectureAdapter, HybridModelConfig]:
-    """The adapter of the checkpoint's format and the model it describes; a quantized
-    checkpoint is refused first: its weights would load as the wrong numbers."""
-    for field_name in ("quantization_config", "compression_config"):
-        quantization = raw.get(field_name)
-        if quantization is not None:
-            method = (
-                quantization.get("quant_method") or quantization.get("format") or "unnamed"
-                if isinstance(quantization, dict)
-                else quantization
-            )
-            raise ConfigError(
-                config_file,
-                field_name,
-                f"quantization method {method!r} is not supported: only unquantized "
-                "checkpoints load (float32, bfloat16, float16 weights)",
-            )
+    """The adapter of the checkpoint's format and the model it describes; a quantization
+    method that does not load is refused first: its weights would load as the wrong numbers."""
+    weight_format(raw, config_file)
     adapter = get_adapter(raw.get("model_type"), config_file)
     return adapter, adapter.parse_config(ConfigReader(raw, config_file))
 
@@ -212,7 +203,9 @@ def load_model(
                 expected,
                 f"missing (needed for {name}; the checkpoint does not contain it)",
             )
-        full = _assemble(source, chosen, full_shapes[name], param.dtype)
+        full = _assemble(
+            source, chosen, full_shapes[name], param.dtype, checkpoint.weight_format, used
+        )
         with torch.no_grad():
             param.copy_(shard_tensor(full, param))
         used.update(s.key for s in chosen)
@@ -234,12 +227,18 @@ def load_model(
 
 
 def _assemble(
-    source: TensorSource, sources: list[WeightSource], shape: tuple[int, ...], dtype: torch.dtype
+    source: TensorSource,
+    sources: list[WeightSource],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    fmt: WeightFormat | None,
+    consumed: set[str],
 ) -> torch.Tensor:
-    """One full parameter from its checkpoint tensors, shape-checked."""
+    """One full parameter from its checkpoint tensors (quantized ones dequantised, their
+    scales added to `consumed`), shape-checked."""
 
     def read(part: WeightSource) -> torch.Tensor:
-        tensor = source.get(part.key)
+        tensor = load_weight(part.key, source, fmt, consumed)
         return tensor if part.transform is None else part.transform(tensor)
 
     if len(sources) == 1 and sources[0].index is None:

@@ -178,13 +178,10 @@ def test_a_tensor_the_model_does_not_use_is_refused_by_name_and_known_extras_loa
     assert "does not use 1 of the checkpoint's tensors" in message
 
 
-# Quantized layouts as checkpoints declare them: block FP8 (Qwen3.5, Qwen3-Next), FP8
-# through compressed-tensors (Nemotron 3, Granite), AWQ; each with the scales it carries.
+# Quantized layouts that do not load, as checkpoints declare them, each with the scales it
+# carries: compressed-tensors without its scheme, AWQ. (FP8 that loads, and more refusals:
+# test_fp8.py.)
 QUANTIZED = {
-    "fp8": (
-        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-        "weight_scale_inv",
-    ),
     "compressed-tensors": (
         {"quant_method": "compressed-tensors", "format": "float-quantized"},
         "weight_scale",
@@ -208,6 +205,23 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_copy, method):
         with pytest.raises(ConfigError) as refused:
             attempt()
         assert f"field 'quantization_config': quantization method '{method}'" in str(refused.value)
+
+
+def test_scales_of_weights_that_are_not_quantized_are_refused_as_unused(tiny_copy):
+    """A block-FP8 config whose in_proj is stored in float: its scales are not read."""
+    config_file = tiny_copy / "config.json"
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config_file.write_text(
+        json.dumps(json.loads(config_file.read_text()) | {"quantization_config": fp8})
+    )
+    rewrite_weights(
+        tiny_copy,
+        lambda tensors: tensors.update(
+            {"backbone.layers.0.mixer.in_proj.weight_scale_inv": torch.ones(1)}
+        ),
+    )
+    with pytest.raises(WeightError, match=r"in_proj\.weight_scale_inv"):
+        load(tiny_copy)
 
 
 def test_stray_scale_tensors_without_a_quantization_config_are_refused_too(tiny_copy):

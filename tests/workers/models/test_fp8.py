@@ -1,0 +1,89 @@
+"""FP8 checkpoints: block-wise (`quant_method: fp8`) and compressed-tensors (per-channel and
+per-tensor scales), written by this test's own quantizer in each format's file layout. Oracle:
+the engine on the dequantised float weights, written separately (q * scale, computed here), must
+give the same greedy tokens, batched and alone, with prefix reuse on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.models.config import ConfigError, WeightError
+from tests.fp8 import FORMATS, compressed_tensors, write_pair
+from tests.helpers import assert_pools_at_baseline, make_hf_model, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_next"])
+def source(request, tmp_path_factory) -> Path:
+    """A float checkpoint: NemotronH (Mamba2, MoE experts per expert) or Qwen3-Next (Gated
+    DeltaNet with the fused per-key-head projections, gated attention, MoE)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_an_fp8_checkpoint_gives_the_tokens_of_its_dequantised_weights(source, kind, tmp_path):
+    fp8, dequantised = write_pair(source, tmp_path, kind)
+    prompts = random_prompts([5, 40, 90], seed=4)
+    again = [[*prompts[2], 7, 8]]  # reuses the third prompt's snapshot
+    with LLM(str(dequantised), snapshot_interval=32) as reference:
+        expected = [o.token_ids for o in reference.generate(prompts + again, GREEDY)]
+    with LLM(str(fp8), snapshot_interval=32) as llm:
+        together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        (reused,) = llm.generate(again, GREEDY)
+        assert together == alone == expected[:3]
+        assert reused.token_ids == expected[3] and reused.num_cached_tokens > 0
+        assert_pools_at_baseline(llm.engine)
+
+
+def test_a_missing_scale_and_an_fp8_tensor_without_a_config_are_refused(source, tmp_path):
+    fp8, _ = write_pair(source, tmp_path, "channel")
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    scale = next(name for name in tensors if name.endswith("weight_scale"))
+    del tensors[scale]
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    with pytest.raises(WeightError, match=f"'{scale}': missing: the FP8 weight's scales"):
+        LLM(str(fp8))
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightError, match=r"float8_e4m3fn, but config\.json declares no"):
+        LLM(str(fp8))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [
+        ({"quant_method": "awq", "bits": 4}, "'awq' is not supported"),
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt' is not supported"),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "per-tensor fp8 without weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+         "static activation scales"),
+        (compressed_tensors("tensor") | {"format": "pack-quantized"},
+         "format 'pack-quantized': only float-quantized"),
+        (compressed_tensors("group"), "strategy 'group': only tensor or channel"),
+    ],
+)  # fmt: skip
+def test_a_quantization_that_does_not_load_is_refused_naming_it(source, quantization, named):
+    config = json.loads((source / "config.json").read_text())
+    folder = source.parent / f"refused-{abs(hash(json.dumps(quantization))) % 10**8}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    weights = folder / "model.safetensors"
+    if not weights.exists():
+        weights.symlink_to(source / "model.safetensors")
+    with pytest.raises(ConfigError) as refused:
+        LLM(str(folder))
+    message = str(refused.value)
+    assert "field 'quantization_config'" in message and named in message
+    assert "block-wise FP8" in message  # the supported formats are listed
