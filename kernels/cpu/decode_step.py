@@ -15,13 +15,17 @@ channel, head or group, and the team meets at one barrier per op (3-6 per layer)
     mamba:      in_proj -> conv update (state shifted in place) -> SSM update per head
                 (`ssm_update_head`, shared with kernels/cpu/state_update.py) -> gated
                 RMSNorm per group -> out_proj
-    attention:  q, k, v -> RoPE (optional) -> K and V written to the token's KV slot ->
-                paged attention per KV head (`attend_group`, kernels/cpu/attention.py) -> o_proj
+    gdn:        in_proj -> conv update over q | k | v -> the delta rule per value head
+                (`gated_delta_head.h`, shared with kernels/cpu/gated_delta.py) -> RMSNorm
+                per value head gated by z -> out_proj
+    attention:  q, k, v -> q/k norms and the output gate's split (gated attention) -> RoPE
+                (optional) -> K and V written to the token's KV slot -> paged attention per
+                KV head (`attend_group`, kernels/cpu/attention.py) -> gate -> o_proj
     mlp:        act(up) or act(gate) * up -> down
 
 The model is described once (`Model`, `Layer`: weight pointers and sizes, built by
 workers/runner/paths/native.py); a step (`Step`) passes each row's token, context length, block
-table and Mamba slot, and gets the logits and each row's greedy token. fp32 weights and states only.
+table and state slot, and gets the logits and each row's greedy token. fp32 weights and states only.
 Up to GEMV_ROWS (8) rows, as the C mat-vec (kernels/cpu/gemm.py: beyond that oneDNN's packed
 GEMM catches up with it).
 """
@@ -34,7 +38,7 @@ import os
 from hybridserve.kernels.cpu import library
 from hybridserve.kernels.dispatch import BACKEND_ENV
 
-KIND_MAMBA, KIND_ATTENTION, KIND_MLP = 0, 1, 2
+KIND_MAMBA, KIND_ATTENTION, KIND_MLP, KIND_GDN = 0, 1, 2, 3
 ACTIVATIONS = {None: 0, "silu": 1, "relu2": 2, "gelu": 3}
 
 _float_p = ctypes.POINTER(ctypes.c_float)
@@ -65,6 +69,12 @@ class Layer(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("gated", ctypes.c_int64),
         ("activation", ctypes.c_int64),
+        *((name, ctypes.c_int64) for name in ("key_heads", "value_heads")),
+        *((name, ctypes.c_int64) for name in ("key_head_dim", "value_head_dim")),
+        ("output_gate", ctypes.c_int64),
+        ("q_norm", _float_p),
+        ("k_norm", _float_p),
+        ("qk_eps", ctypes.c_float),
     ]
 
 
@@ -81,9 +91,9 @@ class Model(ctypes.Structure):
         ("conv_pool", _float_p),
         ("conv_slot_stride", ctypes.c_int64),
         ("conv_layer_stride", ctypes.c_int64),
-        ("ssm_pool", _float_p),
-        ("ssm_slot_stride", ctypes.c_int64),
-        ("ssm_layer_stride", ctypes.c_int64),
+        ("state_pool", _float_p),
+        ("state_slot_stride", ctypes.c_int64),
+        ("state_layer_stride", ctypes.c_int64),
         ("kv_pool", _float_p),
         *((name, ctypes.c_int64) for name in ("kv_block_stride", "kv_layer_stride")),
         ("kv_value_offset", ctypes.c_int64),

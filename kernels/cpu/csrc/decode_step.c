@@ -1,10 +1,11 @@
 #include "attend.h"
 #include "dot.h"
+#include "gated_delta_head.h"
 #include "ssm_update_head.h"
 
 #include <omp.h>
 
-enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2 };
+enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2, KIND_GDN = 3 };
 enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
 
 typedef struct {
@@ -15,9 +16,9 @@ typedef struct {
 typedef struct {
     int64_t kind, cache_index;
     const float *norm;
-    Linear in[3]; /* mamba: in_proj; attention: q, k, v; mlp: up or [gate | up] */
+    Linear in[3]; /* mamba, gdn: in_proj; attention: q, k, v; mlp: up or [gate | up] */
     Linear out;   /* out_proj, o_proj or down_proj */
-    /* mamba */
+    /* mamba (and gdn: conv_weight, dt_bias, A, gate_norm, conv_kernel, gate_eps) */
     const float *conv_weight, *conv_bias, *dt_bias, *A, *D, *gate_norm;
     int64_t heads, head_dim, groups, state_size, conv_kernel, conv_silu;
     float gate_eps, dt_min, dt_max;
@@ -27,6 +28,13 @@ typedef struct {
     float scale;
     /* mlp */
     int64_t gated, activation;
+    /* gdn */
+    int64_t key_heads, value_heads, key_head_dim, value_head_dim;
+    /* gated attention: q_proj gives each head [queries | gate]; per-head q/k norms (NULL:
+       none) with qk_eps */
+    int64_t output_gate;
+    const float *q_norm, *k_norm;
+    float qk_eps;
 } Layer;
 
 typedef struct {
@@ -35,10 +43,12 @@ typedef struct {
     const float *embed, *final_norm;
     Linear lm_head;
     float embedding_multiplier, residual_multiplier, norm_eps, logits_divisor;
+    /* the recurrent kind's two state tensors: the conv window, and the recurrent state
+       (Mamba2's SSM state, Gated DeltaNet's key x value state) */
     float *conv_pool;
     int64_t conv_slot_stride, conv_layer_stride;
-    float *ssm_pool;
-    int64_t ssm_slot_stride, ssm_layer_stride;
+    float *state_pool;
+    int64_t state_slot_stride, state_layer_stride;
     float *kv_pool;
     int64_t kv_block_stride, kv_layer_stride, kv_value_offset, block_size;
     /* scratch, one row per decode row: the residual stream and its norm (hidden_size), the
@@ -53,7 +63,7 @@ typedef struct {
     const int64_t *seq_lens; /* (rows,) context including the token */
     const int64_t *tables;   /* (rows, width) KV block ids */
     int64_t width;
-    const int64_t *slots;    /* (rows,) Mamba slots */
+    const int64_t *slots;    /* (rows,) state slots */
 } Step;
 
 /* y[j] = row o + j of l times x, plus its bias, for the count (<= 4) rows from o. */
@@ -124,21 +134,20 @@ static void project_residual(const Model *m, const Linear *l, const float *x, in
     }
 }
 
-static void mamba(const Model *m, const Layer *l, const Step *step) {
-    const int64_t P = l->head_dim, N = l->state_size, W = l->conv_kernel, rows = step->rows;
-    const int64_t inner = l->heads * P, group_state = l->groups * N;
-    const int64_t conv_dim = inner + 2 * group_state;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
-    project(m, l->in, 1, m->normed, m->projected, rows);
-    /* a row of projected: z (inner) | x B C (conv_dim) | dt (heads);
-       a row of mixed: x B C convolved (conv_dim) | y (inner) */
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's */
+
+/* The conv window update of every row's `conv_dim` channels: the inputs start at `from` in
+   a row of projected, the convolved values (SiLU where conv_silu) go to the start of a row
+   of mixed, and the window (the W - 1 kept inputs, oldest first) shifts in place. */
+static void conv_update(const Model *m, const Layer *l, const Step *step, int64_t from,
+                        int64_t conv_dim) {
+    const int64_t W = l->conv_kernel, rows = step->rows;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < conv_dim; ++c) {
-            /* window: the W - 1 kept inputs (oldest first), then this token's */
             float *kept = m->conv_pool + step->slots[r] * m->conv_slot_stride +
                           l->cache_index * m->conv_layer_stride + c * (W - 1);
-            const float input = m->projected[r * m->projected_size + inner + c];
+            const float input = m->projected[r * m->projected_size + from + c];
             const float *w = l->conv_weight + c * W;
             float acc = 0.0f;
             for (int64_t k = 0; k < W - 1; ++k) acc += kept[k] * w[k];
@@ -149,6 +158,17 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
             m->mixed[r * m->mixed_size + c] = l->conv_silu ? silu(acc) : acc;
         }
     }
+}
+
+static void mamba(const Model *m, const Layer *l, const Step *step) {
+    const int64_t P = l->head_dim, N = l->state_size, rows = step->rows;
+    const int64_t inner = l->heads * P, group_state = l->groups * N;
+    const int64_t conv_dim = inner + 2 * group_state;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 1, m->normed, m->projected, rows);
+    /* a row of projected: z (inner) | x B C (conv_dim) | dt (heads);
+       a row of mixed: x B C convolved (conv_dim) | y (inner) */
+    conv_update(m, l, step, inner, conv_dim);
     const int64_t heads_per_group = l->heads / l->groups;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
@@ -156,11 +176,11 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
             const float *convolved = m->mixed + r * m->mixed_size;
             const float *B = convolved + inner, *C = B + group_state;
             float dt = m->projected[r * m->projected_size + inner + conv_dim + h] + l->dt_bias[h];
-            dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, as torch's */
+            dt = softplus(dt);
             dt = fminf(fmaxf(dt, l->dt_min), l->dt_max);
             const int64_t g = h / heads_per_group;
-            float *states = m->ssm_pool + step->slots[r] * m->ssm_slot_stride +
-                            l->cache_index * m->ssm_layer_stride;
+            float *states = m->state_pool + step->slots[r] * m->state_slot_stride +
+                            l->cache_index * m->state_layer_stride;
             ssm_update_head(states + h * P * N, P, N, convolved + h * P, dt, l->A[h], B + g * N,
                             C + g * N, l->D ? l->D[h] : 0.0f,
                             m->mixed + r * m->mixed_size + conv_dim + h * P);
@@ -185,6 +205,46 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
     project_residual(m, &l->out, m->mixed + conv_dim, rows);
 }
 
+static void gdn(const Model *m, const Layer *l, const Step *step) {
+    const int64_t Hk = l->key_heads, Hv = l->value_heads, Dk = l->key_head_dim;
+    const int64_t Dv = l->value_head_dim, rows = step->rows, per_key = Hv / Hk;
+    const int64_t key_dim = Hk * Dk, value_dim = Hv * Dv, conv_dim = 2 * key_dim + value_dim;
+    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    project(m, l->in, 1, m->normed, m->projected, rows);
+    /* a row of projected: q | k | v (conv_dim) | z (value_dim) | b (Hv) | a (Hv);
+       a row of mixed: q | k | v convolved (conv_dim) | y (value_dim) */
+    conv_update(m, l, step, 0, conv_dim);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < Hv; ++h) {
+            const float *row = m->projected + r * m->projected_size;
+            const float *convolved = m->mixed + r * m->mixed_size;
+            const int64_t key = h / per_key;
+            float qn[Dk], kn[Dk], scratch[Dv];
+            gated_delta_normalise(convolved + key * Dk, convolved + key_dim + key * Dk, Dk, qn,
+                                  kn);
+            const float b = row[conv_dim + value_dim + h], a = row[conv_dim + value_dim + Hv + h];
+            const float beta = 1.0f / (1.0f + expf(-b));
+            const float g = l->A[h] * softplus(a + l->dt_bias[h]);
+            float *state = m->state_pool + step->slots[r] * m->state_slot_stride +
+                           l->cache_index * m->state_layer_stride + h * Dk * Dv;
+            gated_delta_advance(state, Dk, Dv, qn, kn, convolved + 2 * key_dim + h * Dv, g, beta,
+                                scratch, m->mixed + r * m->mixed_size + conv_dim + h * Dv);
+        }
+    }
+    /* RMSNorm per value head, then the gate: y = norm(y) * weight * silu(z) */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < Hv; ++h) {
+            float *y = m->mixed + r * m->mixed_size + conv_dim + h * Dv;
+            const float *z = m->projected + r * m->projected_size + conv_dim + h * Dv;
+            const float inverse = 1.0f / sqrtf(dot(y, y, Dv) / (float)Dv + l->gate_eps);
+            for (int64_t i = 0; i < Dv; ++i) y[i] = y[i] * inverse * l->gate_norm[i] * silu(z[i]);
+        }
+    }
+    project_residual(m, &l->out, m->mixed + conv_dim, rows);
+}
+
 /* The first rotary_dim dims of a head: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
 static inline void rotate(float *x, const float *cos, const float *sin, int64_t half) {
     for (int64_t i = 0; i < half; ++i) {
@@ -194,20 +254,49 @@ static inline void rotate(float *x, const float *cos, const float *sin, int64_t 
     }
 }
 
+/* x (n) RMS-normalised in place with weight (n). */
+static inline void norm_in_place(float *x, const float *weight, int64_t n, float eps) {
+    const float inverse = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inverse * weight[i];
+}
+
 static void attention(const Model *m, const Layer *l, const Step *step) {
     const int64_t D = l->attention_head_dim, H = l->q_heads, Hkv = l->kv_heads;
     const int64_t bs = m->block_size, rows = step->rows, group = H / Hkv;
+    /* a row of projected: q (H heads) | gate (H heads, gated attention) | k (Hkv) | v (Hkv) */
+    const int64_t q_size = H * D * (l->output_gate ? 2 : 1);
     rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
     project(m, l->in, 3, m->normed, m->projected, rows);
-    /* a row of projected: q (H heads) | k (Hkv) | v (Hkv): q and k adjacent, one loop
-       rotates both */
+    if (l->output_gate || l->q_norm) {
+        /* q_proj gives each head [queries | gate]: queries first, then gates, per row; then
+           the per-head q and k norms */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            float *row = m->projected + r * m->projected_size;
+            if (l->output_gate) {
+                float heads[q_size];
+                memcpy(heads, row, sizeof(float) * q_size);
+                for (int64_t h = 0; h < H; ++h) {
+                    memcpy(row + h * D, heads + 2 * h * D, sizeof(float) * D);
+                    memcpy(row + (H + h) * D, heads + (2 * h + 1) * D, sizeof(float) * D);
+                }
+            }
+            if (l->q_norm) {
+                for (int64_t h = 0; h < H; ++h) norm_in_place(row + h * D, l->q_norm, D, l->qk_eps);
+                for (int64_t g = 0; g < Hkv; ++g)
+                    norm_in_place(row + q_size + g * D, l->k_norm, D, l->qk_eps);
+            }
+        }
+    }
     if (l->cos) {
         const int64_t half = l->rotary_dim / 2;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             for (int64_t h = 0; h < H + Hkv; ++h) {
                 const int64_t at = (step->seq_lens[r] - 1) * half;
-                rotate(m->projected + r * m->projected_size + h * D, l->cos + at, l->sin + at,
+                /* query heads, then (past the gates) key heads */
+                const int64_t head = h < H ? h * D : q_size + (h - H) * D;
+                rotate(m->projected + r * m->projected_size + head, l->cos + at, l->sin + at,
                        half);
             }
         }
@@ -221,14 +310,18 @@ static void attention(const Model *m, const Layer *l, const Step *step) {
             const int64_t position = step->seq_lens[r] - 1;
             const int64_t *table = step->tables + r * step->width;
             const float *q = m->projected + r * m->projected_size;
-            const float *k = q + H * D, *v = k + Hkv * D;
+            const float *k = q + q_size, *v = k + Hkv * D;
             const int64_t at = table[position / bs] * m->kv_block_stride +
                                (g * bs + position % bs) * D;
             memcpy(key + at, k + g * D, sizeof(float) * D);
             memcpy(value + at, v + g * D, sizeof(float) * D);
+            float *out = m->mixed + r * m->mixed_size + g * group * D;
             attend_group(q + g * group * D, key, value, m->kv_block_stride, table,
-                         step->seq_lens[r], g, group, D, bs, l->scale,
-                         m->mixed + r * m->mixed_size + g * group * D);
+                         step->seq_lens[r], g, group, D, bs, l->scale, out);
+            if (l->output_gate) {
+                const float *gate = q + H * D + g * group * D;
+                for (int64_t i = 0; i < group * D; ++i) out[i] /= 1.0f + expf(-gate[i]);
+            }
         }
     }
     project_residual(m, &l->out, m->mixed, rows);
@@ -279,6 +372,8 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
             const Layer *l = &m->layers[i];
             if (l->kind == KIND_MAMBA)
                 mamba(m, l, step);
+            else if (l->kind == KIND_GDN)
+                gdn(m, l, step);
             else if (l->kind == KIND_ATTENTION)
                 attention(m, l, step);
             else

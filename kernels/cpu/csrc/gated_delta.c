@@ -1,64 +1,12 @@
-/* The gated delta rule (Gated DeltaNet) on the CPU: the decode step and the prompt scan.
-
-   Per value head h (its key head: h / (Hv / Hk)), with q and k L2-normalised and q scaled by
-   Dk^-1/2, the state S (Dk x Dv, row-major) advances by one token as
-
-       S = exp(g) * S;   delta = beta * (v - S^T k);   S += k delta^T;   o = S^T q
-
-   which is two passes over S: the decay while accumulating S^T k, then the update while
-   accumulating S^T q (each a run over Dv contiguous floats: it vectorises). The prompt scan
-   runs the same recurrence token by token, one (sequence, value head) per OpenMP iteration,
-   with the state in a local buffer: exact where the chunked form reorders sums, and on a CPU
-   as fast at these head sizes. */
-#include <math.h>
-#include <stdint.h>
+/* The gated delta rule (Gated DeltaNet) on the CPU: the decode step and the prompt scan, both
+   the per-head update of gated_delta_head.h (per value head h, its key head h / (Hv / Hk); q and
+   k L2-normalised, q scaled by Dk^-1/2). The prompt scan runs the recurrence token by token, one
+   (sequence, value head) per OpenMP iteration, with the state in a local buffer: exact where the
+   chunked form reorders sums, and on a CPU as fast at these head sizes. */
 #include <stdlib.h>
 #include <string.h>
 
-#define L2_EPS 1e-6f
-
-/* q and k of one token's key head, normalised (q also scaled) into qn, kn. */
-static void normalise(const float *q, const float *k, int64_t Dk, float *qn, float *kn) {
-    float qq = 0.0f, kk = 0.0f;
-    for (int64_t i = 0; i < Dk; ++i) {
-        qq += q[i] * q[i];
-        kk += k[i] * k[i];
-    }
-    const float q_scale = 1.0f / sqrtf(qq + L2_EPS) / sqrtf((float)Dk);
-    const float k_scale = 1.0f / sqrtf(kk + L2_EPS);
-    for (int64_t i = 0; i < Dk; ++i) {
-        qn[i] = q[i] * q_scale;
-        kn[i] = k[i] * k_scale;
-    }
-}
-
-/* One token through state S (Dk x Dv); qn, kn normalised; scratch: Dv floats. */
-static void advance(float *S, int64_t Dk, int64_t Dv, const float *qn, const float *kn,
-                    const float *v, float g, float beta, float *scratch, float *out) {
-    const float decay = expf(g);
-    float *delta = scratch;
-    for (int64_t j = 0; j < Dv; ++j) delta[j] = 0.0f;
-    for (int64_t i = 0; i < Dk; ++i) {
-        float *row = S + i * Dv;
-        const float ki = kn[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-            row[j] *= decay;
-            delta[j] += row[j] * ki;
-        }
-    }
-    for (int64_t j = 0; j < Dv; ++j) {
-        delta[j] = beta * (v[j] - delta[j]);
-        out[j] = 0.0f;
-    }
-    for (int64_t i = 0; i < Dk; ++i) {
-        float *row = S + i * Dv;
-        const float ki = kn[i], qi = qn[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-            row[j] += ki * delta[j];
-            out[j] += row[j] * qi;
-        }
-    }
-}
+#include "gated_delta_head.h"
 
 /* Decode rows. pool: the layer's state of slot 0 (Hv, Dk, Dv per slot, contiguous); slot s
    starts slot_stride floats further. q, k: (rows, Hk, Dk); v, out: (rows, Hv, Dv); g, beta:
@@ -79,8 +27,8 @@ void gated_delta_step_f32(float *pool, int64_t slot_stride, const int64_t *slots
             }
             float qn[Dk], kn[Dk], scratch[Dv];
             const int64_t key = r * Hk + h / per_key;
-            normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
-            advance(pool + slot * slot_stride + h * Dk * Dv, Dk, Dv, qn, kn,
+            gated_delta_normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
+            gated_delta_advance(pool + slot * slot_stride + h * Dk * Dv, Dk, Dv, qn, kn,
                     v + (r * Hv + h) * Dv, g[r * Hv + h], beta[r * Hv + h], scratch, o);
         }
     }
@@ -109,8 +57,8 @@ void gated_delta_scan_f32(float *pool, int64_t slot_stride, const int64_t *cu_se
                 memset(S, 0, (size_t)(Dk * Dv) * sizeof(float));
             for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
                 const int64_t key = t * Hk + h / per_key;
-                normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
-                advance(S, Dk, Dv, qn, kn, v + (t * Hv + h) * Dv, g[t * Hv + h],
+                gated_delta_normalise(q + key * Dk, k + key * Dk, Dk, qn, kn);
+                gated_delta_advance(S, Dk, Dv, qn, kn, v + (t * Hv + h) * Dv, g[t * Hv + h],
                         beta[t * Hv + h], scratch, out + (t * Hv + h) * Dv);
             }
             if (last >= 0)

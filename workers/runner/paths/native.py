@@ -5,12 +5,12 @@ returns their logits, the LM head included, and each row's argmax (the greedy to
 of plain greedy rows needs no sampler). Every other step goes to the next path. The C kernel
 gets the model once, as a table of weight pointers and sizes built from the loaded modules,
 and the pools' addresses and strides; a step passes each row's token, context length, block
-table and Mamba slot.
+table and state slot.
 
-It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2,
-attention (with or without RoPE) and dense MLPs; `unsupported` and `prepare` say why not
-otherwise (MoE layers, say). The tests compare it with the
-model's eager step on the same states (tests/workers/runner/paths/test_native.py), and every
+It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2, Gated
+DeltaNet, attention (with or without RoPE, gated or not) and dense MLPs; `unsupported` and
+`prepare` say why not otherwise (MoE layers, say). The tests compare it with the model's eager
+step on the same states (tests/workers/runner/paths/test_native.py), and every
 engine test that decodes up to eight requests at a time runs it against transformers.
 """
 
@@ -30,6 +30,7 @@ from hybridserve.kernels.cpu.gemm import GEMV_ROWS
 from hybridserve.kernels.dispatch import BACKEND_ENV, cpu_kernel
 from hybridserve.workers.core.step_plan import ScheduledChunk
 from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.models.hybrid import HybridForCausalLM
@@ -214,10 +215,27 @@ class NativePath(ForwardPath):
             layer.state_size, layer.conv_kernel = spec.state_size, spec.conv_kernel
             layer.conv_silu = spec.activation == "silu"  # as the conv kernels read it
             layer.gate_eps, layer.dt_min, layer.dt_max = spec.norm_eps, spec.dt_min, spec.dt_max
+        elif isinstance(op, GatedDeltaNet):
+            spec = op.spec
+            A = -torch.exp(op.A_log.float())  # as the model's step computes it
+            self._keep.append(A)
+            layer.kind = cpu_decode_step.KIND_GDN
+            layer.in_[0] = self._linear(op.in_proj.weight, op.in_proj.bias)
+            layer.out = self._linear(op.out_proj.weight, op.out_proj.bias)
+            layer.conv_weight, layer.conv_silu = self._pointer(op.conv_weight), True
+            layer.dt_bias, layer.A = self._pointer(op.dt_bias), self._pointer(A)
+            layer.gate_norm, layer.gate_eps = self._pointer(op.norm_weight), spec.norm_eps
+            layer.key_heads, layer.value_heads = op.num_key_heads, op.num_value_heads
+            layer.key_head_dim, layer.value_head_dim = spec.key_head_dim, spec.value_head_dim
+            layer.conv_kernel = spec.conv_kernel
         elif isinstance(op, Attention):
-            if op.output_gate or op.q_norm is not None:
-                raise Unsupported("gated attention with q/k norms (Qwen3-Next, Qwen3.5)")
             layer.kind = cpu_decode_step.KIND_ATTENTION
+            layer.output_gate = op.output_gate
+            if op.q_norm is not None and op.k_norm is not None:
+                layer.q_norm, layer.k_norm = (
+                    self._pointer(n.weight) for n in (op.q_norm, op.k_norm)
+                )
+                layer.qk_eps = op.q_norm.eps
             for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
                 layer.in_[i] = self._linear(proj.weight, proj.bias)
             layer.out = self._linear(op.o_proj.weight, op.o_proj.bias)
@@ -251,6 +269,8 @@ def _mixed_size(op: nn.Module) -> int:
     """Floats of the mixer's inner values (kernels/cpu/csrc/decode_step.c: `mixed`)."""
     if isinstance(op, MambaMixer):
         return 2 * op.intermediate + 2 * op.group_state  # x B C convolved | y
+    if isinstance(op, GatedDeltaNet):
+        return op.conv_dim + op.value_dim  # q k v convolved | y
     if isinstance(op, Attention):
         return op.num_heads * op.head_dim
     if isinstance(op, MLP):
@@ -263,17 +283,18 @@ def _pool_fields(caches: StateCaches) -> dict[str, object]:
     layer) state and each block's (Hkv, block_size, D) must be contiguous fp32 on the CPU."""
     fields: dict[str, object] = {}
     float_p = ctypes.POINTER(ctypes.c_float)
-    pools = caches.pools()
+    # The recurrent kind's conv window and its recurrent state (Mamba2's ssm, Gated DeltaNet's
+    # recurrent), by the names the kernel reads them under.
+    kernel_names = {"kv": "kv", "conv": "conv", "ssm": "state", "recurrent": "state"}
+    pools = {kernel_names[name]: pool for name, pool in caches.pools().items()}
     for name, pool in pools.items():
-        if name not in ("kv", "conv", "ssm"):
-            raise Unsupported(f"the {name} state pool (the C step knows Mamba2 state only)")
         if pool.device.type != "cpu" or pool.dtype != torch.float32:
             raise Unsupported(f"the {name} pool is {pool.dtype} on {pool.device}")
         inner = pool[0, 0, 0] if name == "kv" else pool[0, 0]
         if not inner.is_contiguous():
             raise Unsupported(f"the {name} pool's states are not contiguous")
         fields[f"{name}_pool"] = ctypes.cast(pool.data_ptr(), float_p)
-    for name in ("conv", "ssm"):
+    for name in ("conv", "state"):
         if name in pools:
             strides = pools[name].stride()
             fields[f"{name}_slot_stride"], fields[f"{name}_layer_stride"] = strides[:2]
