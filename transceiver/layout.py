@@ -25,6 +25,17 @@ from typing import Any
 import msgpack
 
 
+def held_rows(size: int, units: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first row, rows) that rank `tp_rank` of `tp_size` holds of `size` rows made of `units`
+    units: 1/tp of them with at least as many units as ranks, else one whole unit, shared by
+    tp / units ranks."""
+    if units >= tp_size:
+        rows = size // tp_size
+        return tp_rank * rows, rows
+    rows = size // units
+    return tp_rank // (tp_size // units) * rows, rows
+
+
 @dataclass(frozen=True)
 class StateTensorLayout:
     """One recurrent state tensor: name, dtype, sections (size, units) along the split axis,
@@ -38,11 +49,7 @@ class StateTensorLayout:
     def held(self, section: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
         """(first row, rows) of section `section` on rank `tp_rank` of `tp_size`."""
         size, units = self.sections[section]
-        if units >= tp_size:
-            rows = size // tp_size
-            return tp_rank * rows, rows
-        rows = size // units
-        return tp_rank // (tp_size // units) * rows, rows
+        return held_rows(size, units, tp_size, tp_rank)
 
     def local_rows(self, tp_size: int) -> int:
         return sum(self.held(i, tp_size, 0)[1] for i in range(len(self.sections)))

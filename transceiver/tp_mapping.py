@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.transceiver.layout import PeerLayout
+from hybridserve.transceiver.layout import PeerLayout, held_rows
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,7 @@ def _sections(sections: Sequence[int | Section]) -> list[Section]:
 
 def holding(section: Section, tp: int, rank: int) -> tuple[int, int]:
     """(first row, rows) of `section` that rank `rank` of `tp` holds."""
-    units = section.num_units
-    if units >= tp:
-        length = section.size // tp
-        return rank * length, length
-    length = section.size // units
-    return rank // (tp // units) * length, length
+    return held_rows(section.size, section.num_units, tp, rank)
 
 
 def _check(section: Section, tp: int, src_tp: int, dst_tp: int) -> None:

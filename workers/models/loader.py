@@ -99,8 +99,8 @@ class Checkpoint:
     weight_format: WeightFormat | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.adapter, self.config = _parse_config(self.raw_config, self.config_file)
-        self.weight_format = weight_format(self.raw_config, self.config_file)
+        parsed = _parse_config(self.raw_config, self.config_file)
+        self.adapter, self.config, self.weight_format = parsed
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -150,12 +150,13 @@ def read_model_config(model: str) -> HybridModelConfig:
 
 def _parse_config(
     raw: dict[str, Any], config_file: str
-) -> tuple[ArchitectureAdapter, HybridModelConfig]:
-    """The adapter of the checkpoint's format and the model it describes; a quantization
-    method that does not load is refused first: its weights would load as the wrong numbers."""
-    weight_format(raw, config_file)
+) -> tuple[ArchitectureAdapter, HybridModelConfig, WeightFormat | None]:
+    """The adapter of the checkpoint's format, the model it describes and its quantized
+    weight format; a quantization method that does not load is refused first: its weights
+    would load as the wrong numbers."""
+    fmt = weight_format(raw, config_file)
     adapter = get_adapter(raw.get("model_type"), config_file)
-    return adapter, adapter.parse_config(ConfigReader(raw, config_file))
+    return adapter, adapter.parse_config(ConfigReader(raw, config_file)), fmt
 
 
 def _raw_config(model: str) -> tuple[dict[str, Any], str]:
