@@ -3,7 +3,8 @@
 #   1. Triton kernels compiled for the GPU against their torch references, decode graphs
 #      against eager steps, and the engine on CUDA against transformers (tests/);
 #   2. bench/kernels.py: each kernel against its reference and the roofline;
-#   3. bench/step_overhead.py on CUDA: the decode step eager and as CUDA graphs, fp32 and bf16.
+#   3. bench/step_overhead.py on CUDA: the decode step eager and as CUDA graphs, fp32 and bf16;
+#   4. bench/fp8_weights.py on CUDA: FP8 weights (the Triton FP8 GEMM) against bf16 ones.
 #
 #   bash bench/gpu_checks.sh [results folder, default bench/results/gpu]
 #
@@ -27,10 +28,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # The session fixtures (tests/conftest.py) start Ray, which these tests do not use.
 step tests python3 -m pytest --noconftest -p no:cacheprovider -q -rs --tb=short \
     tests/workers/runner/paths/test_cuda_graphs.py tests/kernels/triton tests/workers/test_parity.py \
+    tests/kernels/test_fp8_linear.py \
     -k "not compiled"
 step kernels python3 bench/kernels.py --output "$out/kernels.json"
 for dtype in float32 bfloat16; do
     step "step_overhead_$dtype" python3 bench/step_overhead.py --device cuda --dtype "$dtype" \
         --modes eager graphs --running 1 8 32 256 --output "$out/step_overhead_$dtype.json"
 done
+step fp8_weights python3 bench/fp8_weights.py --device cuda --dtype bfloat16 \
+    --output "$out/fp8_weights.json"
 exit $status

@@ -24,13 +24,14 @@ from hybridserve.kernels.operators import (
     state_update_pooled,
     store_kv_pooled,
 )
-from hybridserve.kernels.reference import ChunkScanOutput, Conv1dOutput
+from hybridserve.kernels.reference import ChunkScanOutput, Conv1dOutput, dequantize_fp8
 
 causal_conv1d = dispatched("causal_conv1d")
 causal_conv1d_update = dispatched("causal_conv1d_update")
 gated_delta_chunk = dispatched("gated_delta_chunk")
 gated_delta_step = dispatched("gated_delta_step")
 gated_rms_norm = dispatched("gated_rms_norm")
+fp8_linear = dispatched("fp8_linear")
 linear = dispatched("linear")
 mamba_chunk_scan = dispatched("mamba_chunk_scan")
 paged_attention_decode = dispatched("paged_attention_decode")
@@ -49,6 +50,8 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_pooled",
+    "dequantize_fp8",
+    "fp8_linear",
     "gated_delta_chunk",
     "gated_delta_step",
     "gated_delta_update_pooled",

@@ -89,6 +89,9 @@ KERNELS: dict[str, Kernel] = {
     "gated_rms_norm": Kernel("reference.norm:gated_rms_norm_ref", "triton.norm:gated_rms_norm"),
     "rms_norm": Kernel("reference.norm:rms_norm_ref"),
     "linear": Kernel("reference.linear:linear_ref", cpu="cpu.gemm:linear"),
+    "fp8_linear": Kernel(
+        "reference.linear:fp8_linear_ref", "triton.fp8_linear:fp8_linear", "cpu.gemm:fp8_linear"
+    ),
     # Torch operators (operators.py): the reference calls the kernels above on a layer's view.
     "packed_linear": Kernel("operators:packed_linear_reference", cpu="cpu.ops:packed_linear"),
     "conv_update_pooled": Kernel("operators:conv_update_reference", cpu="cpu.ops:conv_update_"),

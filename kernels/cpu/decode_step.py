@@ -46,7 +46,8 @@ _float_p = ctypes.POINTER(ctypes.c_float)
 
 class Linear(ctypes.Structure):
     _fields_ = [("weight", _float_p), ("bias", _float_p), ("rows", ctypes.c_int64)]
-    _fields_ += [("cols", ctypes.c_int64)]
+    _fields_ += [("cols", ctypes.c_int64), ("fp8", ctypes.c_void_p), ("scale", _float_p)]
+    _fields_ += [("group", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 
 from hybridserve.kernels.cpu import library
 from hybridserve.kernels.dispatch import BACKEND_ENV
+from hybridserve.kernels.reference.linear import dequantize_fp8
 
+# An FP8 weight above GEMV_ROWS rows is dequantised this many floats at a time, each piece
+# multiplied as it is made (4 MiB: it stays in L2/L3 for the GEMM that reads it).
+FP8_TILE_FLOATS = 1 << 20
 # Rows at or below which the packed weight is used (measured crossover is between 64 and 300).
 SMALL_BATCH = 64
 # The batch size oneDNN tunes the packed layout for: a typical decode batch.
@@ -127,17 +131,66 @@ def gemv_each(
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     kernel = gemv_kernel()
     assert kernel is not None
+    return _matvec(kernel, (weight.data_ptr(), *weight.shape), x, bias, weight.shape[0])
+
+
+def _matvec(
+    kernel: ctypes._CFuncPtr,
+    weight: tuple[int, ...],
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: int,
+) -> torch.Tensor:
+    """`kernel(*weight, x, rows, bias, y)`, a C mat-vec whose weight is described by the
+    `weight` arguments: y = x W^T + bias, (rows, out) float32."""
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    rows, (out, inner) = x.shape[0], weight.shape
-    y = torch.empty((rows, out), dtype=torch.float32)
-    kernel(
-        weight.data_ptr(),
-        out,
-        inner,
-        x.data_ptr(),
-        rows,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-    )
+    y = torch.empty((x.shape[0], out), dtype=torch.float32)
+    kernel(*weight, x.data_ptr(), x.shape[0], None if bias is None else bias.data_ptr(),
+           y.data_ptr())  # fmt: skip
     return y
+
+
+@functools.cache
+def gemv_fp8_kernel() -> ctypes._CFuncPtr | None:
+    """`gemv_fp8(W, scale, out, in, group, x, rows, bias, y)`, or None where it does not
+    build."""
+    if gemv_kernel() is None:
+        return None
+    argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return library.function("gemm.c", "gemv_fp8", [*argtypes, ctypes.c_void_p])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T + bias with W float8_e4m3fn (out, in) and float32 scales (out, groups): the
+    C mat-vec up to GEMV_ROWS rows (the weight read as bytes), else torch's GEMM over pieces
+    of W dequantised as they are needed (the whole float weight never exists)."""
+    kernel = gemv_fp8_kernel()
+    if (
+        kernel is not None
+        and x.dim() == 2
+        and x.shape[0] <= GEMV_ROWS
+        and x.dtype == torch.float32
+        and weight.is_contiguous()
+        and scale.is_contiguous()
+        and (bias is None or bias.dtype == torch.float32)
+        and not torch.compiler.is_compiling()
+    ):
+        out, inner = weight.shape
+        described = (weight.data_ptr(), scale.data_ptr(), out, inner, group)
+        return _matvec(kernel, described, x, bias, out)
+    step = max(1, FP8_TILE_FLOATS // weight.shape[1])
+    pieces = [
+        F.linear(x, dequantize_fp8(weight[start : start + step], scale[start : start + step],
+                                   group, x.dtype))
+        for start in range(0, weight.shape[0], step)
+    ]  # fmt: skip
+    y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    return y if bias is None else y + bias

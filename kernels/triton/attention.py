@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import strides
+from .launch import dot_precision, strides
 
 
 @triton.jit
@@ -326,12 +326,6 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, D: int) ->
     assert key_cache.dtype == value_cache.dtype
 
 
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    # NOTE: fp32 inputs would default to tf32 on the tensor cores (about 1e-3 relative error);
-    # ieee keeps fp32 attention as accurate as the reference. Other dtypes: backend default.
-    return "ieee" if dtype == torch.float32 else None
-
-
 def _head_dim_block(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
@@ -416,7 +410,7 @@ def _paged_attention_prefill_fwd(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BD=BD,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
@@ -462,7 +456,7 @@ def _paged_attention_decode_fwd(
         BLOCK_H=max(16, triton.next_power_of_2(H // Hkv)),
         BLOCK_N=BLOCK_N,
         BD=BD,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )

@@ -18,3 +18,10 @@ def strides(name: str, tensor: torch.Tensor | None, *dims: str) -> dict[str, int
         assert len(dims) <= tensor.dim(), f"{name}: {len(dims)} dims named, {tensor.dim()} exist"
         values = tensor.stride()[: len(dims)]
     return {f"stride_{name}_{dim}": value for dim, value in zip(dims, values, strict=True)}
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """`tl.dot`'s input_precision for inputs of `dtype`."""
+    # NOTE: fp32 inputs would default to tf32 on the tensor cores (about 1e-3 relative error);
+    # ieee keeps fp32 products as accurate as the reference. Other dtypes: backend default.
+    return "ieee" if dtype == torch.float32 else None

@@ -17,7 +17,17 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = Field("tiny", description="'tiny' (built in) or an HF-format checkpoint folder")
-    dtype: DType = Field("float32", description="weights and activations")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="weights and activations; auto: the checkpoint's torch_dtype on CUDA, "
+        "float32 on the CPU (its fast kernels are float32)",
+    )
+    fp8_weights: Literal["keep", "dequantize"] = Field(
+        "keep",
+        description="an FP8 checkpoint's linear weights: keep them FP8 in memory (each GEMM "
+        "dequantises them as it reads them: a byte a weight, and on the CPU 3x float32's "
+        "decode at one request, docs/benchmarks.md) or dequantise them into dtype at load",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present")
     seed: int = Field(0, description="default sampling seed for requests without their own")
     forward_paths: tuple[ForwardPathName, ...] = Field(

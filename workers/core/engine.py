@@ -36,6 +36,7 @@ from hybridserve.workers.executors.executor import RankFailure, create_executor
 from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
+from hybridserve.workers.runner.precision import resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         checkpoint = open_checkpoint(config.model)
+        # Concrete dtypes before anything (the ranks, the transfer layout) reads them.
+        config = resolve_precision(config, checkpoint.raw_config)
+        self.config = config
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer
         self.eos_token_ids = frozenset(checkpoint.eos_token_ids)

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridserve.kernels import can_pack, linear, pack_weight, packed_linear, register_packed
+from hybridserve.kernels import (
+    can_pack,
+    fp8_linear,
+    linear,
+    pack_weight,
+    packed_linear,
+    register_packed,
+)
 from hybridserve.workers.executors.parallel import ParallelContext
 
 Ranges = tuple[tuple[int, int], ...]
@@ -57,7 +64,8 @@ def shard_tensor(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         full.narrow(dim, offset, max(0, min(length, full.shape[dim] - offset)))
         for offset, length in param.shard_ranges  # type: ignore[attr-defined]
     ]
-    part = torch.cat(pieces, dim=dim)
+    # One piece is a view (no copy at TP 1, nor of a rank's contiguous rows).
+    part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
     missing = param.shape[dim] - part.shape[dim]
     if missing:
         padding = list(part.shape)
@@ -68,6 +76,27 @@ def shard_tensor(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def fp8_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The parameters of `module` that may be held FP8 (their GEMMs take FP8)."""
+    return getattr(module, "fp8_weights", ())
+
+
+def hold_fp8(
+    module: nn.Module, name: str, data: torch.Tensor, scale: torch.Tensor, group: int
+) -> None:
+    """Make parameter `name` of `module` the FP8 `data` with float32 `scale` per `group`
+    columns (kernels/reference/linear.py), kept beside it as `{name}_scale` and
+    `{name}_group`."""
+    old = getattr(module, name)
+    new = nn.Parameter(data, requires_grad=False)
+    for attribute in ("shard_dim", "shard_ranges"):
+        if hasattr(old, attribute):
+            setattr(new, attribute, getattr(old, attribute))
+    setattr(module, name, new)
+    setattr(module, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    setattr(module, f"{name}_group", group)
 
 
 def packed_matmul(
@@ -87,6 +116,14 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     # Whether `packed` exists: a flag the compiler reads (it cannot look at an opaque tensor).
     is_packed: bool = False
+    fp8_weights = ("weight",)
+    # An FP8 weight's scales and their group (hold_fp8); None for a float weight.
+    weight_scale: nn.Parameter | None
+    weight_group: int = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("weight_scale", None)
 
     def pack_for_cpu(self) -> None:
         """Call once the weights are final (after loading); a no-op where packing does not
@@ -97,6 +134,8 @@ class PackableLinear(nn.Module):
             self.is_packed = True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.weight_group, bias)
         return packed_matmul(x, self.weight, bias, self.is_packed)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.kernels import fp8_linear
 from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.activation import ACTIVATIONS
 from hybridserve.workers.layers.linear import ReplicatedLinear, mark_shard, new_param
@@ -67,7 +68,12 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's routed experts as stacked tensors: up (E_local, I_local or 2 I_local, Hin),
     down (E_local, Hin, I_local). TP-MoE: every expert, I / tp of it; expert parallelism:
-    experts [first, first + E_local), all of I."""
+    experts [first, first + E_local), all of I. Either may be held FP8 (linear.hold_fp8)."""
+
+    fp8_weights = ("up", "down")
+    up_scale: nn.Parameter | None
+    down_scale: nn.Parameter | None
+    up_group = down_group = 0
 
     def __init__(
         self,
@@ -78,6 +84,8 @@ class Experts(nn.Module):
         device: torch.device | str | None,
     ) -> None:
         super().__init__()
+        self.register_parameter("up_scale", None)
+        self.register_parameter("down_scale", None)
         self.gated = spec.gated
         self.act = ACTIVATIONS[spec.activation]
         size = spec.intermediate_size
@@ -128,15 +136,22 @@ class Experts(nn.Module):
             rows = order[start : start + count]
             tokens = token_ids[start : start + count]
             start += count
-            projected = F.linear(hidden[tokens], self.up[expert])
+            projected = self._project(hidden[tokens], "up", expert)
             if self.gated:
                 gate, up = projected.chunk(2, dim=-1)
                 activated = self.act(gate) * up
             else:
                 activated = self.act(projected)
-            expert_out = F.linear(activated, self.down[expert])
+            expert_out = self._project(activated, "down", expert)
             out.index_add_(0, tokens, expert_out.float() * weights.flatten()[rows, None])
         return out
+
+    def _project(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        """x times expert `expert`'s `name` ("up" or "down") weight, transposed."""
+        weight, scale = getattr(self, name)[expert], getattr(self, f"{name}_scale")
+        if scale is None:
+            return F.linear(x, weight)
+        return fp8_linear(x, weight, scale[expert], getattr(self, f"{name}_group"))
 
 
 class MoE(nn.Module):

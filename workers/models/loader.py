@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from hybridserve.workers.core.tokenizer import Tokenizer
 from hybridserve.workers.executors.parallel import ParallelContext
-from hybridserve.workers.layers.linear import shard_tensor
+from hybridserve.workers.layers.linear import fp8_parameters, hold_fp8, shard_tensor
 from hybridserve.workers.models.adapter import ArchitectureAdapter, WeightSource
 from hybridserve.workers.models.config import (
     ConfigError,
@@ -27,7 +27,12 @@ from hybridserve.workers.models.config import (
     WeightError,
 )
 from hybridserve.workers.models.hybrid import HybridForCausalLM
-from hybridserve.workers.models.quantization import WeightFormat, load_weight, weight_format
+from hybridserve.workers.models.quantization import (
+    Fp8Tensor,
+    WeightFormat,
+    load_weight,
+    weight_format,
+)
 from hybridserve.workers.models.registry import get_adapter
 
 
@@ -185,7 +190,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     parallel: ParallelContext | None = None,
+    keep_fp8: bool = False,
 ) -> HybridForCausalLM:
+    """The model of `checkpoint` on `device`, this rank's shard. `keep_fp8`: an FP8
+    checkpoint's linear weights stay FP8 with their scales (the layers' GEMMs dequantise
+    them); otherwise they are dequantised into `dtype` as they load."""
     parallel = parallel or ParallelContext()
     with torch.device("meta"):
         shapes = HybridForCausalLM(checkpoint.config, ParallelContext(), dtype)
@@ -194,7 +203,7 @@ def load_model(
     source = checkpoint.tensors
     available = set(source.keys())
     used: set[str] = set()
-    for name, param in model.named_parameters():
+    for name, param in list(model.named_parameters()):
         alternatives = checkpoint.adapter.weight_sources(checkpoint.config, name)
         chosen = next((alt for alt in alternatives if all(s.key in available for s in alt)), None)
         if chosen is None:
@@ -204,11 +213,25 @@ def load_model(
                 expected,
                 f"missing (needed for {name}; the checkpoint does not contain it)",
             )
-        full = _assemble(
-            source, chosen, full_shapes[name], param.dtype, checkpoint.weight_format, used
-        )
-        with torch.no_grad():
-            param.copy_(shard_tensor(full, param))
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        parts = [load_weight(part.key, source, checkpoint.weight_format, used) for part in chosen]
+        held = None
+        if keep_fp8 and attribute in fp8_parameters(module):
+            fp8 = _fp8_parts(parts, chosen)
+            if fp8 is not None:
+                held = _shard_fp8(_assemble_fp8(source, chosen, fp8, full_shapes[name]), param)
+        if held is not None:
+            data, scale = (_own(t.to(device)) for t in (held.data, held.scale))
+            hold_fp8(module, attribute, data, scale, held.group)
+        else:
+            floats = [
+                part.dequantize(param.dtype) if isinstance(part, Fp8Tensor) else part
+                for part in parts
+            ]
+            full = _assemble(source, chosen, floats, full_shapes[name], param.dtype)
+            with torch.no_grad():
+                param.copy_(shard_tensor(full, param))
         used.update(s.key for s in chosen)
     ignored = checkpoint.adapter.ignored_keys
     unused = sorted(k for k in available - used if ignored is None or not ignored.search(k))
@@ -230,29 +253,76 @@ def load_model(
 def _assemble(
     source: TensorSource,
     sources: list[WeightSource],
+    tensors: list[torch.Tensor],
     shape: tuple[int, ...],
     dtype: torch.dtype,
-    fmt: WeightFormat | None,
-    consumed: set[str],
 ) -> torch.Tensor:
-    """One full parameter from its checkpoint tensors (quantized ones dequantised, their
-    scales added to `consumed`), shape-checked."""
-
-    def read(part: WeightSource) -> torch.Tensor:
-        tensor = load_weight(part.key, source, fmt, consumed)
-        return tensor if part.transform is None else part.transform(tensor)
-
+    """One full parameter from its checkpoint tensors (each part's transform applied),
+    shape-checked."""
+    tensors = [
+        tensor if part.transform is None else part.transform(tensor)
+        for part, tensor in zip(sources, tensors, strict=True)
+    ]
     if len(sources) == 1 and sources[0].index is None:
-        tensor = read(sources[0])
-        _check_shape(source, sources[0].key, tuple(tensor.shape), shape)
-        return tensor.to(dtype)
+        _check_shape(source, sources[0].key, tuple(tensors[0].shape), shape)
+        return tensors[0].to(dtype)
     full = torch.empty(shape, dtype=dtype)
-    for part in sources:
-        tensor = read(part)
+    for part, tensor in zip(sources, tensors, strict=True):
         assert part.index is not None
         _check_shape(source, part.key, tuple(tensor.shape), tuple(full[part.index].shape))
         full[part.index] = tensor.to(dtype)
     return full
+
+
+def _fp8_parts(
+    parts: list[torch.Tensor | Fp8Tensor], sources: list[WeightSource]
+) -> list[Fp8Tensor] | None:
+    """`parts` if they can make one FP8 parameter: all FP8 with one group size and no
+    transform; None otherwise (the parameter is dequantised)."""
+    fp8 = [part for part in parts if isinstance(part, Fp8Tensor)]
+    if len(fp8) != len(parts) or any(source.transform for source in sources):
+        return None
+    return fp8 if len({part.group for part in fp8}) == 1 else None
+
+
+def _assemble_fp8(
+    source: TensorSource, sources: list[WeightSource], parts: list[Fp8Tensor],
+    shape: tuple[int, ...],
+) -> Fp8Tensor:  # fmt: skip
+    """`_assemble` for FP8 parts: bytes and scales placed alike (the parts' indices address
+    leading dims only, rows at most)."""
+    group = parts[0].group
+    # Placed as bytes: torch's indexed assignment does not take float8.
+    data = _assemble(source, sources, [p.data.view(torch.uint8) for p in parts], shape, torch.uint8)
+    scale_shape = (*shape[:-1], -(-shape[-1] // group))
+    scale = _assemble(source, sources, [p.scale for p in parts], scale_shape, torch.float32)
+    return Fp8Tensor(data.view(torch.float8_e4m3fn), scale, group)
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous in storage of its own (a shard may be a view of the full tensor,
+    which would stay alive behind it)."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _shard_fp8(full: Fp8Tensor, param: torch.nn.Parameter) -> Fp8Tensor | None:
+    """This rank's part of an FP8 parameter; None where a column shard would split a group
+    of columns that share a scale (the parameter is then dequantised)."""
+    dim = getattr(param, "shard_dim", None)
+    data = shard_tensor(full.data.view(torch.uint8), param).view(torch.float8_e4m3fn)
+    if dim is None or dim < full.data.dim() - 1:
+        return Fp8Tensor(data, shard_tensor(full.scale, param), full.group)
+    if full.scale.shape[-1] == 1:  # one group of all columns: any columns keep its scale
+        return Fp8Tensor(data, full.scale, data.shape[-1])
+    columns, group = full.data.shape[-1], full.group
+    pieces = []
+    for offset, length in param.shard_ranges:  # type: ignore[attr-defined]
+        if offset % group or (length % group and offset + length != columns):
+            return None
+        pieces.append(full.scale.narrow(-1, offset // group, -(-length // group)))
+    return Fp8Tensor(data, torch.cat(pieces, dim=-1), group)
 
 
 def _check_shape(

@@ -1,8 +1,8 @@
-"""Quantized checkpoints: which weight formats load, and how their weights become float.
+"""Quantized checkpoints: which weight formats load, and how the engine holds their weights.
 
 A checkpoint's `quantization_config` names its method; the loader asks `weight_format` for the
 format it declares, which either refuses it (naming the method and the supported ones) or
-returns the format that turns each quantized weight and its scales into float numbers:
+returns the format that reads each quantized weight and its scales:
 
     fp8 (block-wise)             weight float8_e4m3fn (N, K), weight_scale_inv (ceil(N/bn),
                                  ceil(K/bk)): w = q * scale_inv[i // bn, j // bk]
@@ -10,10 +10,14 @@ returns the format that turns each quantized weight and its scales into float nu
     compressed-tensors FP8       weight float8_e4m3fn, weight_scale per tensor () / (1,) or per
                                  output channel (N, 1): w = q * scale (Nemotron 3, Granite)
 
-Weights are dequantised once, tensor by tensor as they load (a layer's weight never passes
-through a float copy of the whole model), into the engine's dtype; activations are not
-quantised, so the engine computes what the float weights w compute. Tensors a checkpoint keeps
-in higher precision (norms, gates, conv, embeddings, the LM head) load as they are.
+Both become an `Fp8Tensor`: the bytes and a float32 scale per group of columns of each row
+(a block's scale repeated over its rows; one group of all columns for per-channel and
+per-tensor scales), so that fusing, stacking and sharding rows treat bytes and scales alike.
+The engine keeps it so (`fp8_weights: keep`: the GEMMs of kernels/ dequantise as they read)
+or dequantises it into its dtype as it loads (`dequantize`); either way tensor by tensor, and
+activations are not quantised, so the engine computes what the float weights q * scale
+compute. Tensors a checkpoint keeps in higher precision (norms, gates, conv, embeddings, the
+LM head) load as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridserve.kernels import dequantize_fp8
 from hybridserve.workers.models.config import ConfigError, WeightError
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -41,9 +46,25 @@ class Tensors(Protocol):
     def file_of(self, key: str) -> str: ...
 
 
+@dataclass
+class Fp8Tensor:
+    """A quantized checkpoint weight as the engine holds it: float8_e4m3fn `data` (..., N, K)
+    and float32 `scale` (..., N, groups), one per `group` columns of each row (the last group
+    may be short). Row operations (stacking experts, fusing or scattering projections,
+    sharding rows) apply to both alike; a column shard keeps whole groups."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.data, self.scale, self.group, dtype)
+
+
 @dataclass(frozen=True)
 class BlockFP8:
-    """Block-wise FP8: one float32 scale per (rows, cols) block of each weight."""
+    """Block-wise FP8: one float32 scale per (rows, cols) block of each weight; held as
+    `cols`-column groups with each block's scale repeated over its rows."""
 
     block: tuple[int, int]
     name = "fp8"
@@ -51,7 +72,7 @@ class BlockFP8:
     def scale_keys(self, key: str) -> tuple[str, ...]:
         return (key.removesuffix("weight") + "weight_scale_inv",)
 
-    def dequantize(self, key: str, weight: torch.Tensor, source: Tensors) -> torch.Tensor:
+    def read(self, key: str, weight: torch.Tensor, source: Tensors) -> Fp8Tensor:
         (scale_key,) = self.scale_keys(key)
         scale = _scale(source, scale_key)
         rows, cols = weight.shape[-2:]
@@ -63,13 +84,14 @@ class BlockFP8:
                 f"{list(expected)} blocks of {list(self.block)} of the weight "
                 f"{list(weight.shape)}"
             )  # fmt: skip
-        full = scale.repeat_interleave(block_rows, dim=-2).repeat_interleave(block_cols, dim=-1)
-        return weight.float() * full[..., :rows, :cols]
+        per_row = scale.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
+        return Fp8Tensor(weight, per_row.contiguous(), block_cols)
 
 
 @dataclass(frozen=True)
 class ScaledFP8:
-    """compressed-tensors FP8: one float32 scale per tensor or per output channel."""
+    """compressed-tensors FP8: one float32 scale per tensor or per output channel; held as
+    one group of all columns."""
 
     strategy: str  # "tensor" | "channel"
     name = "compressed-tensors"
@@ -77,10 +99,10 @@ class ScaledFP8:
     def scale_keys(self, key: str) -> tuple[str, ...]:
         return (key.removesuffix("weight") + "weight_scale",)
 
-    def dequantize(self, key: str, weight: torch.Tensor, source: Tensors) -> torch.Tensor:
+    def read(self, key: str, weight: torch.Tensor, source: Tensors) -> Fp8Tensor:
         (scale_key,) = self.scale_keys(key)
         scale = _scale(source, scale_key)
-        rows = weight.shape[-2]
+        rows, cols = weight.shape[-2:]
         per_tensor = scale.numel() == 1
         per_channel = tuple(scale.shape[-2:]) == (rows, 1) and scale.dim() == weight.dim()
         if not (per_tensor or per_channel):
@@ -89,7 +111,8 @@ class ScaledFP8:
                 f"one scale nor one per output channel ({rows}, 1) of the weight "
                 f"{list(weight.shape)}"
             )  # fmt: skip
-        return weight.float() * (scale.reshape(()) if per_tensor else scale)
+        per_row = scale.reshape(()).expand(*weight.shape[:-1], 1) if per_tensor else scale
+        return Fp8Tensor(weight, per_row.contiguous(), cols)
 
 
 WeightFormat = BlockFP8 | ScaledFP8
@@ -175,9 +198,9 @@ def _scale(source: Tensors, key: str) -> torch.Tensor:
 
 def load_weight(
     key: str, source: Tensors, fmt: WeightFormat | None, consumed: set[str]
-) -> torch.Tensor:
-    """Checkpoint tensor `key` as float numbers: a quantized weight dequantised with its
-    scales (their keys added to `consumed`), anything else as stored."""
+) -> torch.Tensor | Fp8Tensor:
+    """Checkpoint tensor `key`: a quantized weight with its scales (their keys added to
+    `consumed`), anything else as stored."""
     tensor = source.get(key)
     if tensor.dtype not in FLOAT8:
         return tensor
@@ -188,4 +211,4 @@ def load_weight(
             f"is {tensor.dtype}, but config.json declares no quantization_config",
         )
     consumed.update(fmt.scale_keys(key))
-    return fmt.dequantize(key, tensor, source)
+    return fmt.read(key, tensor, source)

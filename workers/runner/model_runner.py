@@ -23,10 +23,10 @@ from hybridserve.workers.core.step_plan import ScheduledChunk, StepPlan
 from hybridserve.workers.executors.parallel import ParallelContext, local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
-from hybridserve.workers.models.recurrent_state import StateRole
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
+from hybridserve.workers.runner.precision import model_dtype, resolve_precision, state_dtype
 from hybridserve.workers.runner.sampler import (
     Sampler,
     prompt_logprobs,
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -56,13 +55,6 @@ class RunnerOutput:
     samples: list[Sample | None]  # per plan chunk, in plan order
     # request id -> the prompt tokens this step's chunk scored (chunks with prompt_logprobs).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-
-
-def state_dtype(config: EngineConfig, role: StateRole) -> torch.dtype:
-    """The dtype of a recurrent state tensor of `role` (models/recurrent_state.py)."""
-    if role == "recurrent":
-        return DTYPES[config.recurrent_state_dtype]
-    return DTYPES[config.conv_state_dtype or config.dtype]
 
 
 def resolve_device(device: str, index: int = 0) -> torch.device:
@@ -92,13 +84,20 @@ class ModelRunner:
     ) -> None:
         """`device_index`: this rank's GPU among the visible ones (default: its rank, one
         process per GPU of one machine)."""
+        config = resolve_precision(config, checkpoint.raw_config)
         self.config = config
         self.parallel = parallel
         index = parallel.tp_rank if device_index is None else device_index
         self.device = resolve_device(config.device, index)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = model_dtype(config)
         self.model_config: HybridModelConfig = checkpoint.config
-        self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, parallel=parallel)
+        self.model = load_model(
+            checkpoint,
+            dtype=self.dtype,
+            device=self.device,
+            parallel=parallel,
+            keep_fp8=config.fp8_weights == "keep",
+        )
         self.model.eval()
         place_on_huge_pages(self.model)  # before the packed copies and kernels take addresses
         if self.device.type == "cpu":

@@ -1,5 +1,6 @@
 #include "attend.h"
 #include "dot.h"
+#include "fp8.h"
 #include "gated_delta_head.h"
 #include "ssm_update_head.h"
 
@@ -11,6 +12,10 @@ enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
 typedef struct {
     const float *weight, *bias; /* (rows, cols) row-major; bias (rows,) or NULL */
     int64_t rows, cols;
+    /* an FP8 weight instead of `weight` (fp8.h): bytes (rows, cols), scale per group */
+    const uint8_t *fp8;
+    const float *scale;
+    int64_t group;
 } Linear;
 
 typedef struct {
@@ -66,11 +71,22 @@ typedef struct {
     const int64_t *slots;    /* (rows,) state slots */
 } Step;
 
-/* y[j] = row o + j of l times x, plus its bias, for the count (<= 4) rows from o. */
-static inline void rows_of(const Linear *l, int64_t o, int64_t count, const float *x, float *y) {
-    dot_rows(l->weight + o * l->cols, count, l->cols, x, y);
+/* For each of `rows` (<= 8) input rows r (x + r * x_stride): y[r * y_stride + j] = row
+   o + j of l times it, plus its bias, for the count (<= 4) rows from o. */
+static inline void rows_of(const Linear *l, int64_t o, int64_t count, const float *x,
+                           int64_t x_stride, float *y, int64_t y_stride, int64_t rows) {
+    if (l->fp8) {
+        const int64_t groups = (l->cols + l->group - 1) / l->group;
+        for (int64_t j = 0; j < count; ++j)
+            dot_fp8_rows(l->fp8 + (o + j) * l->cols, l->scale + (o + j) * groups, l->cols,
+                         l->group, x, x_stride, rows, y + j, y_stride);
+    } else {
+        for (int64_t r = 0; r < rows; ++r)
+            dot_rows(l->weight + o * l->cols, count, l->cols, x + r * x_stride, y + r * y_stride);
+    }
     if (l->bias)
-        for (int64_t j = 0; j < count; ++j) y[j] += l->bias[o + j];
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < count; ++j) y[r * y_stride + j] += l->bias[o + j];
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -113,8 +129,7 @@ static void project(const Model *m, const Linear *ls, int64_t count, const float
             at += ls[i++].rows;
         }
         const int64_t o = 4 * k, n = ls[i].rows - o < 4 ? ls[i].rows - o : 4;
-        for (int64_t r = 0; r < rows; ++r)
-            rows_of(&ls[i], o, n, x + r * m->hidden_size, y + r * m->projected_size + at + o);
+        rows_of(&ls[i], o, n, x, m->hidden_size, y + at + o, m->projected_size, rows);
     }
 }
 
@@ -125,12 +140,11 @@ static void project_residual(const Model *m, const Linear *l, const float *x, in
 #pragma omp for schedule(guided, 8)
     for (int64_t o = 0; o < l->rows; o += 4) {
         const int64_t n = l->rows - o < 4 ? l->rows - o : 4;
-        for (int64_t r = 0; r < rows; ++r) {
-            float out[4];
-            rows_of(l, o, n, x + r * m->mixed_size, out);
+        float out[4 * rows];
+        rows_of(l, o, n, x, m->mixed_size, out, 4, rows);
+        for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < n; ++j)
-                m->hidden[r * m->hidden_size + o + j] += multiplier * out[j];
-        }
+                m->hidden[r * m->hidden_size + o + j] += multiplier * out[4 * r + j];
     }
 }
 
@@ -334,14 +348,13 @@ static void mlp(const Model *m, const Layer *l, const Step *step) {
 #pragma omp for schedule(guided, 8)
     for (int64_t o = 0; o < size; o += 4) {
         const int64_t n = size - o < 4 ? size - o : 4;
+        float up[4 * rows]; /* gated: y is the gate, then act(gate) * up */
+        rows_of(in, o, n, m->normed, m->hidden_size, m->mixed + o, m->mixed_size, rows);
+        if (l->gated) rows_of(in, size + o, n, m->normed, m->hidden_size, up, 4, rows);
         for (int64_t r = 0; r < rows; ++r) {
-            const float *x = m->normed + r * m->hidden_size;
             float *y = m->mixed + r * m->mixed_size + o;
-            float up[4]; /* gated: y is the gate, then act(gate) * up */
-            rows_of(in, o, n, x, y);
-            if (l->gated) rows_of(in, size + o, n, x, up);
             for (int64_t j = 0; j < n; ++j)
-                y[j] = activate(y[j], l->activation) * (l->gated ? up[j] : 1.0f);
+                y[j] = activate(y[j], l->activation) * (l->gated ? up[4 * r + j] : 1.0f);
         }
     }
     project_residual(m, &l->out, m->mixed, rows);
@@ -388,9 +401,9 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
 #pragma omp for schedule(guided, 8)
         for (int64_t o = 0; o < vocab; o += 4) {
             const int64_t n = vocab - o < 4 ? vocab - o : 4;
+            rows_of(&m->lm_head, o, n, m->normed, H, out + o, vocab, rows);
             for (int64_t r = 0; r < rows; ++r) {
                 float *y = out + r * vocab + o;
-                rows_of(&m->lm_head, o, n, m->normed + r * H, y);
                 if (m->logits_divisor != 1.0f)
                     for (int64_t j = 0; j < n; ++j) y[j] /= m->logits_divisor;
                 for (int64_t j = 0; j < n; ++j)

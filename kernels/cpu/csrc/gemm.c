@@ -1,4 +1,5 @@
 #include "dot.h"
+#include "fp8.h"
 
 /* y (rows, out) = x (rows, in) W^T (W: out x in, row-major) + bias (may be NULL), by the
    team of the enclosing parallel region. Each thread streams its share of W's rows once, four
@@ -32,4 +33,17 @@ void gemv_each_f32(int64_t count, const float *const *W, const int64_t *out, con
                    const float *const *x, int64_t rows, float *const *y) {
 #pragma omp parallel
     for (int64_t i = 0; i < count; ++i) gemv_team(W[i], out[i], in[i], x[i], rows, NULL, y[i]);
+}
+
+/* gemv_f32 with an FP8 W (fp8.h): y = x W^T + bias, W e4m3 bytes (out x in) with `scale`
+   (out x groups) per `group` columns, rows <= 8. */
+void gemv_fp8(const uint8_t *W, const float *scale, int64_t out, int64_t in, int64_t group,
+              const float *x, int64_t rows, const float *bias, float *y) {
+    const int64_t groups = (in + group - 1) / group;
+#pragma omp parallel for schedule(guided, 8)
+    for (int64_t o = 0; o < out; ++o) {
+        dot_fp8_rows(W + o * in, scale + o * groups, in, group, x, in, rows, y + o, out);
+        if (bias)
+            for (int64_t r = 0; r < rows; ++r) y[r * out + o] += bias[o];
+    }
 }

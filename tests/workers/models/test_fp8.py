@@ -1,7 +1,9 @@
 """FP8 checkpoints: block-wise (`quant_method: fp8`) and compressed-tensors (per-channel and
 per-tensor scales), written by this test's own quantizer in each format's file layout. Oracle:
 the engine on the dequantised float weights, written separately (q * scale, computed here), must
-give the same greedy tokens, batched and alone, with prefix reuse on."""
+give the same greedy tokens, batched and alone, with prefix reuse on, whether the engine keeps
+the weights FP8 (its FP8 GEMMs) or dequantises them at load, and across tensor-parallel ranks
+(each holding its rows, or its whole groups of columns, with their scales)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from hybridserve.workers import LLM, SamplingParams
@@ -28,19 +31,46 @@ def source(request, tmp_path_factory) -> Path:
     return folder
 
 
+def fp8_parameters(llm: LLM) -> int:
+    model = llm.engine.executor.driver.model
+    return sum(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+
+
 @pytest.mark.parametrize("kind", list(FORMATS))
-def test_an_fp8_checkpoint_gives_the_tokens_of_its_dequantised_weights(source, kind, tmp_path):
+@pytest.mark.parametrize("fp8_weights", ["keep", "dequantize"])
+def test_an_fp8_checkpoint_gives_the_tokens_of_its_dequantised_weights(
+    source, kind, fp8_weights, tmp_path
+):
     fp8, dequantised = write_pair(source, tmp_path, kind)
     prompts = random_prompts([5, 40, 90], seed=4)
     again = [[*prompts[2], 7, 8]]  # reuses the third prompt's snapshot
     with LLM(str(dequantised), snapshot_interval=32) as reference:
         expected = [o.token_ids for o in reference.generate(prompts + again, GREEDY)]
-    with LLM(str(fp8), snapshot_interval=32) as llm:
+    with LLM(str(fp8), snapshot_interval=32, fp8_weights=fp8_weights) as llm:
+        # Every quantized projection and expert stack stays FP8, or none does.
+        assert (fp8_parameters(llm) > 10) == (fp8_weights == "keep")
         together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
         (reused,) = llm.generate(again, GREEDY)
         assert together == alone == expected[:3]
         assert reused.token_ids == expected[3] and reused.num_cached_tokens > 0
+        assert_pools_at_baseline(llm.engine)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fp8_weights_split_over_tensor_parallel_ranks(source, expert_parallel, tmp_path):
+    fp8, dequantised = write_pair(source, tmp_path, "block")
+    prompts = random_prompts([5, 70], seed=6)
+    common = {"snapshot_interval": 32, "tensor_parallel_size": 2}
+    common |= {"enable_expert_parallel": expert_parallel}
+    with LLM(str(dequantised), **common) as reference:
+        expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    with LLM(str(fp8), fp8_weights="keep", **common) as llm:
+        assert fp8_parameters(llm) > 10
+        # Each rank's shard in storage of its own: the full checkpoint tensor is not kept.
+        model = llm.engine.executor.driver.model
+        assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert_pools_at_baseline(llm.engine)
 
 

@@ -31,6 +31,7 @@ from hybridserve.kernels.dispatch import BACKEND_ENV, cpu_kernel
 from hybridserve.workers.core.step_plan import ScheduledChunk
 from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.workers.layers.linear import PackableLinear
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.models.hybrid import HybridForCausalLM
@@ -119,7 +120,7 @@ class NativePath(ForwardPath):
             layers=self._layers,
             embed=self._pointer(model.embed.weight),
             final_norm=self._pointer(model.final_norm.weight),
-            lm_head=self._linear(model.lm_head_weight, None),
+            lm_head=Linear(self._pointer(model.lm_head_weight), None, *model.lm_head_weight.shape),
             embedding_multiplier=config.embedding_multiplier,
             residual_multiplier=config.residual_multiplier,
             norm_eps=config.norm_eps,
@@ -193,9 +194,23 @@ class NativePath(ForwardPath):
         self._keep.append(buffer)
         return self._pointer(buffer)
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def _linear(self, module: PackableLinear) -> Linear:
+        """A linear layer's table: its float weight, or its FP8 bytes and scales."""
+        weight, bias, scale = module.weight, module.bias, module.weight_scale
         rows, cols = weight.shape
-        return Linear(self._pointer(weight), self._pointer(bias), rows, cols)
+        if scale is None:
+            return Linear(self._pointer(weight), self._pointer(bias), rows, cols)
+        if not (weight.is_contiguous() and scale.is_contiguous()):
+            raise Unsupported("a non-contiguous FP8 weight")
+        return Linear(
+            None,
+            self._pointer(bias),
+            rows,
+            cols,
+            fp8=weight.data_ptr(),
+            scale=self._pointer(scale),
+            group=module.weight_group,
+        )
 
     def _layer(self, sublayer: nn.Module) -> Layer:
         op = sublayer.op
@@ -205,8 +220,8 @@ class NativePath(ForwardPath):
             A = -torch.exp(op.A_log.float())  # as the model's step computes it
             self._keep.append(A)
             layer.kind = cpu_decode_step.KIND_MAMBA
-            layer.in_[0] = self._linear(op.in_proj.weight, op.in_proj.bias)
-            layer.out = self._linear(op.out_proj.weight, op.out_proj.bias)
+            layer.in_[0] = self._linear(op.in_proj)
+            layer.out = self._linear(op.out_proj)
             layer.conv_weight = self._pointer(op.conv_weight)
             layer.conv_bias = self._pointer(op.conv_bias)
             layer.dt_bias, layer.A, layer.D = (self._pointer(t) for t in (op.dt_bias, A, op.D))
@@ -220,8 +235,8 @@ class NativePath(ForwardPath):
             A = -torch.exp(op.A_log.float())  # as the model's step computes it
             self._keep.append(A)
             layer.kind = cpu_decode_step.KIND_GDN
-            layer.in_[0] = self._linear(op.in_proj.weight, op.in_proj.bias)
-            layer.out = self._linear(op.out_proj.weight, op.out_proj.bias)
+            layer.in_[0] = self._linear(op.in_proj)
+            layer.out = self._linear(op.out_proj)
             layer.conv_weight, layer.conv_silu = self._pointer(op.conv_weight), True
             layer.dt_bias, layer.A = self._pointer(op.dt_bias), self._pointer(A)
             layer.gate_norm, layer.gate_eps = self._pointer(op.norm_weight), spec.norm_eps
@@ -237,8 +252,8 @@ class NativePath(ForwardPath):
                 )
                 layer.qk_eps = op.q_norm.eps
             for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
-                layer.in_[i] = self._linear(proj.weight, proj.bias)
-            layer.out = self._linear(op.o_proj.weight, op.o_proj.bias)
+                layer.in_[i] = self._linear(proj)
+            layer.out = self._linear(op.o_proj)
             layer.q_heads, layer.kv_heads = op.num_heads, op.num_kv_heads
             layer.attention_head_dim, layer.scale = op.head_dim, op.scale
             if op.rope is not None:
@@ -249,8 +264,8 @@ class NativePath(ForwardPath):
         elif isinstance(op, MLP):
             layer.kind = cpu_decode_step.KIND_MLP
             up = op.gate_up_proj if op.gated else op.up_proj
-            layer.in_[0] = self._linear(up.weight, up.bias)
-            layer.out = self._linear(op.down_proj.weight, op.down_proj.bias)
+            layer.in_[0] = self._linear(up)
+            layer.out = self._linear(op.down_proj)
             layer.gated = op.gated
             layer.activation = cpu_decode_step.ACTIVATIONS[op.activation]
         else:

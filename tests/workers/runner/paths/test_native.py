@@ -12,6 +12,7 @@ from hybridserve.kernels.cpu import decode_step as cpu_decode_step
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.runner import model_runner
 from hybridserve.workers.runner.paths import native as native_module
+from tests.fp8 import write_pair
 from tests.helpers import (
     assert_pools_at_baseline,
     hf_greedy,
@@ -275,3 +276,29 @@ def test_each_rows_greedy_token_is_torchs_argmax_of_its_logits(lm_head):
 def _pools(runner):
     caches = runner.caches
     return list(caches.pools().values())
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+@pytest.mark.parametrize("shape", ["nemotron_h", "qwen3_5"])
+def test_fp8_weights_are_read_as_bytes_and_match_the_eager_step(tmp_path, shape, kind):
+    """An FP8 checkpoint held FP8: the native step's mat-vecs read the bytes and scales (a
+    short last group of columns in the block layout) at one row, and decode them once for
+    several; the oracle is the eager step, whose GEMMs the FP8 kernel tests check."""
+    source = tmp_path / shape
+    make_hf_model(*SHAPES[shape][:1], **SHAPES[shape][1]).save_pretrained(source)
+    fp8, _ = write_pair(source, tmp_path, kind)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=8)
+    runs = []
+    for paths in (("native", "eager"), ("eager",)):
+        llm = LLM(str(fp8), fp8_weights="keep", forward_paths=paths)
+        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        runs.append(alone + llm.generate(prompts, params, use_tqdm=False))
+        native = llm.engine.executor.driver.path("native")
+        assert (native is not None and native.num_steps > 0) == ("native" in paths)
+    # Float32 sums in another order (per group of columns, then scaled): the suite's floor
+    # for float32 against float32 (helpers.logprob_tolerance); a wrong scale or byte is far off.
+    for ours, eager in zip(*runs, strict=True):
+        assert ours.token_ids == eager.token_ids
+        for mine, reference in zip(ours.logprobs, eager.logprobs, strict=True):
+            assert abs(mine.logprob - reference.logprob) <= 1e-4
