@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
 
 def store_kv_ref(
     key: torch.Tensor,
@@ -36,8 +38,16 @@ def store_kv_ref(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value[valid].to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = to_cache_dtype(key[valid], key_cache.dtype)
+    value_cache[blocks, :, offsets] = to_cache_dtype(value[valid], value_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in a KV cache of `dtype`; into FP8, saturated at e4m3's largest finite value (a
+    plain cast makes anything beyond it NaN, which has no e4m3 infinity to round to)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-E4M3_MAX, E4M3_MAX)
+    return x.to(dtype)
 
 
 def _causal_lower_right(q_len: int, kv_len: int, device: torch.device) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.attention import E4M3_MAX, store_kv_ref
+from .fp8 import decode_e4m3
 from .launch import dot_precision, strides
 
 
@@ -56,6 +58,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    SATURATE: tl.constexpr,  # an FP8 cache's largest value (0: a float cache)
 ):
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + i_t).to(tl.int64)
@@ -87,6 +90,9 @@ def _store_kv_kernel(
         + o_h[:, None] * stride_vc_h
         + o_d[None, :] * stride_vc_d
     )
+    if SATURATE > 0:  # into FP8: e4m3 has no infinity, so a value beyond its range is NaN
+        b_k = tl.minimum(tl.maximum(b_k.to(tl.float32), -SATURATE), SATURATE)
+        b_v = tl.minimum(tl.maximum(b_v.to(tl.float32), -SATURATE), SATURATE)
     tl.store(p_kc, b_k.to(p_kc.dtype.element_ty), mask=mask)
     tl.store(p_vc, b_v.to(p_vc.dtype.element_ty), mask=mask)
 
@@ -106,8 +112,10 @@ def _load_paged_tile(
     stride_c_d,
     stride_bt_n,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """(BLOCK_N, BD) tile of positions o_n of one kv head; masked positions read nothing."""
+    """(BLOCK_N, BD) tile of positions o_n of one kv head; masked positions read nothing. An
+    FP8 cache comes as its bytes (KV_FP8) and is decoded here."""
     # NOTE: the table is read only where mask_n holds, so garbage entries are never followed;
     # block ids go to int64 before the multiply because a whole pool can exceed 2**31 elements.
     b_blk = tl.load(table_row + (o_n // BLOCK_SIZE) * stride_bt_n, mask=mask_n, other=0)
@@ -118,7 +126,10 @@ def _load_paged_tile(
         + (o_n % BLOCK_SIZE)[:, None] * stride_c_s
         + o_d[None, :] * stride_c_d
     )
-    return tl.load(p_c, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    mask = mask_n[:, None] & mask_d[None, :]
+    if KV_FP8:
+        return decode_e4m3(tl.load(p_c, mask=mask, other=0))
+    return tl.load(p_c, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -173,6 +184,7 @@ def _paged_attention_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     i_prog, i_h = tl.program_id(0), tl.program_id(1)
     # The grid holds T // BLOCK_M + S query blocks, an upper bound on sum(cdiv(q_len, BLOCK_M));
@@ -209,12 +221,12 @@ def _paged_attention_prefill_kernel(
         mask_n = o_n < kv_end
         b_k = _load_paged_tile(
             key_cache, table_row, o_n, mask_n, o_d, mask_d, i_kvh,
-            stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d, stride_bt_n, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d, stride_bt_n, BLOCK_SIZE, KV_FP8,
+        ).to(b_q.dtype)  # fmt: skip
         b_v = _load_paged_tile(
             value_cache, table_row, o_n, mask_n, o_d, mask_d, i_kvh,
-            stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d, stride_bt_n, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d, stride_bt_n, BLOCK_SIZE, KV_FP8,
+        ).to(b_q.dtype)  # fmt: skip
         # [BLOCK_M, BLOCK_N]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
         # NOTE: position 0 is in the first tile and every row may see it (padding rows have
@@ -270,6 +282,7 @@ def _paged_attention_decode_kernel(
     BLOCK_N: tl.constexpr,
     BD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per (row, kv head): the GROUP query heads sharing the kv head are the rows
     # of the score tile (padded to BLOCK_H >= 16 for tl.dot), so each key is loaded once.
@@ -296,12 +309,12 @@ def _paged_attention_decode_kernel(
         mask_n = o_n < seq_len
         b_k = _load_paged_tile(
             key_cache, table_row, o_n, mask_n, o_d, mask_d, i_kvh,
-            stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d, stride_bt_n, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d, stride_bt_n, BLOCK_SIZE, KV_FP8,
+        ).to(b_q.dtype)  # fmt: skip
         b_v = _load_paged_tile(
             value_cache, table_row, o_n, mask_n, o_d, mask_d, i_kvh,
-            stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d, stride_bt_n, BLOCK_SIZE,
-        )  # fmt: skip
+            stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d, stride_bt_n, BLOCK_SIZE, KV_FP8,
+        ).to(b_q.dtype)  # fmt: skip
         # [BLOCK_H, BLOCK_N]; every tile holds at least one position below seq_len.
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
         b_s = tl.where(mask_n[None, :], b_s, float("-inf"))
@@ -326,6 +339,11 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, D: int) ->
     assert key_cache.dtype == value_cache.dtype
 
 
+def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels read it: an FP8 cache as its bytes (decode_e4m3)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def _head_dim_block(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
@@ -344,6 +362,11 @@ def _store_kv_fwd(
     assert slot_mapping.shape == (T,), f"slot_mapping {slot_mapping.shape} != ({T},)"
     if T == 0:
         return
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not key_cache.is_cuda:
+        # The interpreter has no float8 type to encode into: torch encodes (a copy either way).
+        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+        return
     _store_kv_kernel[(T,)](
         key=key,
         value=value,
@@ -359,6 +382,7 @@ def _store_kv_fwd(
         BLOCK_SIZE=key_cache.shape[2],
         BH=triton.next_power_of_2(Hkv),
         BD=triton.next_power_of_2(D),
+        SATURATE=E4M3_MAX if fp8 else 0.0,
     )
 
 
@@ -392,8 +416,8 @@ def _paged_attention_prefill_fwd(
     _paged_attention_prefill_kernel[grid](
         q=q,
         o=o,
-        key_cache=key_cache,
-        value_cache=value_cache,
+        key_cache=_kernel_view(key_cache),
+        value_cache=_kernel_view(value_cache),
         block_tables=block_tables,
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
@@ -411,6 +435,7 @@ def _paged_attention_prefill_fwd(
         BLOCK_N=BLOCK_N,
         BD=BD,
         DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
         num_stages=2,
     )
@@ -440,8 +465,8 @@ def _paged_attention_decode_fwd(
     _paged_attention_decode_kernel[(Bt, Hkv)](
         q=q,
         o=o,
-        key_cache=key_cache,
-        value_cache=value_cache,
+        key_cache=_kernel_view(key_cache),
+        value_cache=_kernel_view(value_cache),
         block_tables=block_tables,
         seq_lens=seq_lens,
         sm_scale=scale,
@@ -457,6 +482,7 @@ def _paged_attention_decode_fwd(
         BLOCK_N=BLOCK_N,
         BD=BD,
         DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
         num_stages=2,
     )

@@ -5,11 +5,7 @@ W once as bytes, decodes them to float in registers, applies each group's scale 
 multiplies in x's dtype with float32 accumulation. The activations are not quantised, so the
 result is the dequantised weights' (the FP8 checkpoint's oracle) up to summation order; decode
 is bound by the weight stream, which FP8 halves against bfloat16.
-
-The bytes are decoded with integer operations rather than an fp8 load: e4m3's sign, exponent
-and mantissa, shifted into float16's positions, are the same number times 2^-8 (normals and
-subnormals alike, the bias differing by 8). That runs on GPUs without FP8 units and under the
-interpreter, which has no float8 type.
+The bytes are decoded in registers (fp8.py).
 """
 
 from __future__ import annotations
@@ -18,15 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import decode_e4m3
 from .launch import dot_precision, strides
-
-
-@triton.jit
-def _decode_e4m3(b_w):
-    """uint8 e4m3fn bytes -> float32 values."""
-    b_w = b_w.to(tl.uint16)
-    b_bits = ((b_w & 0x7F) << 7) | ((b_w & 0x80) << 8)
-    return b_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
@@ -71,7 +60,7 @@ def _fp8_linear_kernel(
         b_x = tl.load(p_x, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_n[:, None] & mask_k[None, :]
         p_w = weight + o_n[:, None] * stride_w_n + o_k[None, :] * stride_w_k
-        b_w = _decode_e4m3(tl.load(p_w, mask=mask_w, other=0))
+        b_w = decode_e4m3(tl.load(p_w, mask=mask_w, other=0))
         # Each column's group scale (a tile may straddle groups of any size).
         p_s = scale + o_n[:, None] * stride_s_n + (o_k // group)[None, :] * stride_s_g
         b_w = b_w * tl.load(p_s, mask=mask_w, other=0.0)

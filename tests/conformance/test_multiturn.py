@@ -10,8 +10,9 @@ the reference.
 
 Runs on tiny random checkpoints of every architecture (the Qwen3.5 image-text checkpoint is the
 text model's weights in other names: its loading and outputs are checked in
-tests/workers/test_parity.py) and on a block-FP8 Qwen3-Next; set HYBRIDSERVE_CONFORMANCE_MODEL to an
-HF checkpoint folder to run it against that model instead. One configuration per architecture
+tests/workers/test_parity.py), on a block-FP8 Qwen3-Next and on Qwen3.5 with an FP8 KV cache
+(its transcripts too); set HYBRIDSERVE_CONFORMANCE_MODEL to an HF checkpoint folder to run it
+against that model instead. One configuration per architecture
 also runs at tensor_parallel_size 2 (the same transcripts: TP 1 without reuse is the oracle).
 """
 
@@ -56,13 +57,18 @@ TP_CONFIGS = {
     "qwen3_5": "budget-below-interval",
     "qwen3_5_moe": "save-last-only",
     "qwen3_next-fp8": "partial-reuse-off",
+    "qwen3_5-fp8_kv": "eviction",
     "given": "interval-and-save-last",
 }
-# Every architecture, and one block-FP8 checkpoint (tests/fp8.py's quantizer).
+# Every architecture, one block-FP8 checkpoint (tests/fp8.py's quantizer) and one with an FP8
+# KV cache.
 CONFORMANCE_ARCHITECTURES = (
     *(arch for arch in ARCHITECTURES if arch != "qwen3_5_vl"),
     "qwen3_next-fp8",
+    "qwen3_5-fp8_kv",
 )
+# Engine arguments of a variant (after the architecture's "-").
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"fp8_kv": {"kv_cache_dtype": "fp8"}}
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,8 @@ class Turn:
     answer: list[int]  # reference greedy tokens (prefix caching off)
 
 
-def build_transcripts(model: str) -> list[Turn]:
-    llm = LLM(model, enable_prefix_caching=False, **COMMON)
+def build_transcripts(model: str, options: dict[str, Any]) -> list[Turn]:
+    llm = LLM(model, enable_prefix_caching=False, **COMMON | options)
     vocab = llm.engine.model_config.vocab_size
     systems = random_prompts([45, 70, 90], seed=11, vocab=vocab)
     users = random_prompts(
@@ -98,29 +104,31 @@ def build_transcripts(model: str) -> list[Turn]:
     if not os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
     else ["given"],
 )
-def transcripts(request, tmp_path_factory) -> tuple[str, str, list[Turn]]:
+def transcripts(request, tmp_path_factory) -> tuple[str, str, dict[str, Any], list[Turn]]:
+    """(variant name, model, its engine arguments, the reference transcripts)."""
     model = os.environ.get("HYBRIDSERVE_CONFORMANCE_MODEL")
+    arch, _, variant = request.param.partition("-")
     if model is None:
-        arch, _, quantized = request.param.partition("-")
         folder: Path = tmp_path_factory.mktemp(arch)
         make_hf_model(arch).save_pretrained(folder)
-        if quantized:
+        if variant == "fp8":
             folder, _ = write_pair(folder, tmp_path_factory.mktemp("fp8"), "block")
         model = str(folder)
-    return request.param, model, build_transcripts(model)
+    options = VARIANT_OPTIONS.get(variant, {})
+    return request.param, model, options, build_transcripts(model, options)
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_shuffled_multiturn_with_reuse_equals_no_reuse(transcripts, config_name):
-    _, model, turns = transcripts
-    with LLM(model, **COMMON | CONFIGS[config_name]) as llm:
+    _, model, options, turns = transcripts
+    with LLM(model, **COMMON | options | CONFIGS[config_name]) as llm:
         replay(llm, turns, config_name)
 
 
 def test_shuffled_multiturn_with_reuse_equals_no_reuse_at_tp2(transcripts):
-    arch, model, turns = transcripts
+    arch, model, options, turns = transcripts
     config_name = TP_CONFIGS[arch]
-    with LLM(model, tensor_parallel_size=2, **COMMON | CONFIGS[config_name]) as llm:
+    with LLM(model, tensor_parallel_size=2, **COMMON | options | CONFIGS[config_name]) as llm:
         replay(llm, turns, config_name)
 
 
@@ -128,10 +136,10 @@ def test_first_turns_sent_together_share_their_system_prompt_and_equal_no_reuse(
     """Every conversation's first turn at once: the first of each system prompt computes it,
     the others wait for its snapshot there (docs/snapshot-reuse.md section 6.1) rather than
     compute the same tokens beside it, and every answer is still the reference's."""
-    _, model, turns = transcripts
+    _, model, options, turns = transcripts
     firsts = [turn for turn in turns if turn.index == 0]
     interval = CONFIGS["interval-only"]["snapshot_interval"]
-    with LLM(model, **COMMON | CONFIGS["interval-only"]) as llm:
+    with LLM(model, **COMMON | options | CONFIGS["interval-only"]) as llm:
         outputs = llm.generate([turn.prompt for turn in firsts], GREEDY, use_tqdm=False)
         leaders: set[tuple[int, ...]] = set()
         for turn, out in zip(firsts, outputs, strict=True):
@@ -147,11 +155,12 @@ def test_a_prompt_shorter_than_a_block_reuses_its_save_last_snapshot(transcripts
     """The cliff block-granular caches have (nothing below a block, or below the state's page
     size, is ever reused): here a 10-token prompt's snapshot at its end serves a longer prompt
     that starts with it, inside the first 16-token block."""
-    _, model, turns = transcripts
+    _, model, options, turns = transcripts
     short = turns[0].prompt[:10]
     longer = [*short, *turns[1].prompt[:6]]
-    (expected,) = LLM(model, enable_prefix_caching=False, **COMMON).generate([longer], GREEDY)
-    with LLM(model, snapshot_interval=0, **COMMON) as llm:
+    reference = LLM(model, enable_prefix_caching=False, **COMMON | options)
+    (expected,) = reference.generate([longer], GREEDY)
+    with LLM(model, snapshot_interval=0, **COMMON | options) as llm:
         llm.generate([short], GREEDY, use_tqdm=False)
         (out,) = llm.generate([longer], GREEDY, use_tqdm=False)
         assert out.num_cached_tokens == len(short)

@@ -88,23 +88,26 @@ def test_state_update_matches_the_reference(implementation, dtype):
     assert torch.equal(pool[untouched], expected_pool[untouched])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float8_e4m3fn])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_store_and_attention_decode_match_the_reference(implementation, dtype):
     """Three rows with 1, 6 and 9 tokens of context in blocks of 4; the table is wider than
-    the longest row and holds garbage past each row's last block."""
+    the longest row and holds garbage past each row's last block. An FP8 pool (queries in
+    fp32) stores keys beyond e4m3's range saturated, not NaN."""
     torch.manual_seed(2)
     kv_heads, heads, head_dim, block_size, num_blocks = 2, 4, 8, 4, 9
     pool = torch.randn(num_blocks, LAYERS, 2, kv_heads, block_size, head_dim).to(dtype)
     expected_pool = pool.clone()
+    fp8 = dtype == torch.float8_e4m3fn
     block_tables = torch.tensor([[2, 7, 7, 8], [4, 0, 8, 6], [1, 3, 5, 7]])
     seq_lens = torch.tensor([1, 6, 9])
     positions = seq_lens - 1
     slot_mapping = block_tables[torch.arange(3), positions // block_size] * block_size + (
         positions % block_size
     )
-    q = torch.randn(3, heads, head_dim).to(dtype)
+    q = torch.randn(3, heads, head_dim).to(torch.float32 if fp8 else dtype)
     k, v = torch.randn(3, kv_heads, head_dim), torch.randn(3, kv_heads, head_dim)
+    k[1, 0, :2] = torch.tensor([1000.0, -1000.0])
 
     op = ops(implementation)
     if implementation == "reference":
@@ -119,5 +122,8 @@ def test_store_and_attention_decode_match_the_reference(implementation, dtype):
         q, key, value, block_tables=block_tables, seq_lens=seq_lens, scale=0.3
     )
 
-    assert torch.equal(pool, expected_pool)
-    torch.testing.assert_close(out, expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(pool.view(torch.uint8), expected_pool.view(torch.uint8))
+    if fp8:
+        stored = pool[block_tables[1, 1], LAYER, 0, 0, 1, :2].float()
+        assert stored.tolist() == [448.0, -448.0]
+    torch.testing.assert_close(out, expected.float(), **TOLERANCE.get(dtype, {}))

@@ -13,14 +13,14 @@ from hybridserve.transceiver.base import Pools, TransferBackend
 from hybridserve.transceiver.channel import Channel
 from hybridserve.transceiver.endpoint import TransferReceiver, TransferSender
 from hybridserve.transceiver.registry import create_backend
-from hybridserve.workers import Engine, EngineConfig, SamplingParams
+from hybridserve.workers import Engine, EngineConfig
 from tests.helpers import TRANSFER_SECRET, make_hf_model
 from tests.transceiver.link import (
     ENGINE_ARGS,
     LEASE,
-    SPECS,
     TIMEOUT,
     Link,
+    colocated_tokens,
 )
 
 
@@ -47,16 +47,7 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def expected(checkpoint) -> dict[str, list[int]]:
     """The oracle: each request's tokens from one colocated engine."""
-    engine = Engine(EngineConfig(model=checkpoint, **ENGINE_ARGS))
-    for spec in SPECS:
-        engine.add_request(spec.prompt, SamplingParams(**spec.params), request_id=spec.request_id)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-    assert all(len(t) == 4 for t in tokens.values()) and len(tokens) == len(SPECS)
-    return tokens
+    return colocated_tokens(checkpoint)
 
 
 def _is_clean(engine: Engine) -> bool:
@@ -102,8 +93,11 @@ def make_link(engine_pool) -> Iterator[Callable[..., Link]]:
         receiver_deadline: float = 60.0,
         receiver_secret: str = TRANSFER_SECRET,
         decode_args: dict[str, Any] | None = None,
+        prefill_args: dict[str, Any] | None = None,
     ) -> Link:
-        prefill = engine_pool("prefill", transfer_lease_seconds=LEASE)
+        prefill = engine_pool(
+            "prefill", f"{prefill_args}", transfer_lease_seconds=LEASE, **prefill_args or {}
+        )
         decode = engine_pool(
             "decode", f"{policy}{decode_args}", transfer_failure_policy=policy, **decode_args or {}
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 from hybridserve.transceiver.endpoint import SendOutcome, TransferReceiver, TransferSender
 from hybridserve.transceiver.protocol import TransferRequest
-from hybridserve.workers import Engine, SamplingParams
+from hybridserve.workers import Engine, EngineConfig, SamplingParams
 from hybridserve.workers.core.outputs import RequestOutput
 from hybridserve.workers.disaggregation.prefill_port import Handoff
 from tests.helpers import assert_pools_at_baseline, random_prompts
@@ -43,6 +43,20 @@ def _specs() -> list[Spec]:
 
 
 SPECS = _specs()
+
+
+def colocated_tokens(checkpoint: str, **args: Any) -> dict[str, list[int]]:
+    """Each request's tokens from one colocated engine with `args`."""
+    engine = Engine(EngineConfig(model=checkpoint, **ENGINE_ARGS | args))
+    for spec in SPECS:
+        engine.add_request(spec.prompt, SamplingParams(**spec.params), request_id=spec.request_id)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    assert all(len(t) == 4 for t in tokens.values()) and len(tokens) == len(SPECS)
+    return tokens
 
 
 @dataclass

@@ -45,6 +45,7 @@ from tests.transceiver.link import (
     LEASE,
     SPECS,
     assert_recomputed_or_failed,
+    colocated_tokens,
     wait_until,
 )
 
@@ -66,6 +67,19 @@ def test_a_clean_transfer_equals_colocated(make_link, expected, backend):
     assert [o.blocks_held for o in outcomes] == [0, 0, 0, 0]
     finished = link.decode_all()
     assert {rid: o.token_ids for rid, o in finished.items()} == expected
+    link.assert_at_baseline()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_an_fp8_kv_cache_crosses_and_equals_colocated_fp8(make_link, checkpoint, backend):
+    """Both engines with an FP8 KV cache: the blocks cross as the pool holds them (a byte a
+    value) and decoding goes on as a colocated FP8 engine does."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    link = make_link(backend=backend, prefill_args=fp8, decode_args=fp8)
+    outcomes = link.transfer(SPECS)
+    assert [o.status for o in outcomes] == ["acked"] * len(SPECS)
+    finished = link.decode_all()
+    assert {rid: o.token_ids for rid, o in finished.items()} == colocated_tokens(checkpoint, **fp8)
     link.assert_at_baseline()
 
 

@@ -100,20 +100,27 @@ def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expe
 
 
 @pytest.mark.parametrize(
-    ("decode_args", "tensor"),
-    [({"recurrent_state_dtype": "bfloat16"}, "ssm"), ({"conv_state_dtype": "bfloat16"}, "conv")],
-)
-def test_a_layout_mismatch_fails_the_handshake_and_holds_nothing(make_link, decode_args, tensor):
-    """A state tensor's dtypes differ (SGLang #36371 accepted this for the SSM state and
-    corrupted it)."""
+    ("decode_args", "decode_side", "prefill_side"),
+    [
+        ({"recurrent_state_dtype": "bfloat16"},
+         "['ssm', 'torch.bfloat16'", "['ssm', 'torch.float32'"),
+        ({"conv_state_dtype": "bfloat16"}, "['conv', 'torch.bfloat16'", "['conv', 'torch.float32'"),
+        ({"kv_cache_dtype": "fp8"}, "kv_dtype: local 'torch.float8_e4m3fn'", "'torch.float32'"),
+    ],
+)  # fmt: skip
+def test_a_layout_mismatch_fails_the_handshake_and_holds_nothing(
+    make_link, decode_args, decode_side, prefill_side
+):
+    """A state tensor's or the KV cache's dtypes differ (SGLang #36371 accepted this for the
+    SSM state and corrupted it); the detail names the field."""
     link = make_link(decode_args=decode_args)
     assert link.prefill.layout.compatibility_hash() != link.decode.layout.compatibility_hash()
     outcomes = link.transfer(SPECS[:2])
     assert [o.status for o in outcomes] == ["failed", "failed"]
     for outcome in outcomes:
         assert "peer layout is incompatible" in outcome.detail
-        assert f"['{tensor}', 'torch.bfloat16'" in outcome.detail.split(" vs peer ")[0]
-        assert f"['{tensor}', 'torch.float32'" in outcome.detail.split(" vs peer ")[1]
+        local, peer = outcome.detail.split(" vs peer ", 1)
+        assert decode_side in local and prefill_side in peer
     link.assert_at_baseline()
 
 

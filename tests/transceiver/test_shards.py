@@ -61,7 +61,10 @@ DST_BLOCKS, DST_SLOT = [0, 5, 2], 1
 
 
 def layouts(model: HybridModelConfig, tp: int) -> list[PeerLayout]:
-    config = EngineConfig(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    # The dtype an engine of these float32 checkpoints resolves `auto` to on the CPU.
+    config = EngineConfig(
+        tensor_parallel_size=tp, distributed_executor_backend="mp", dtype="float32"
+    )
     return [peer_layout(model, config, rank) for rank in range(tp)]
 
 

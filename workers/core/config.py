@@ -68,6 +68,12 @@ class EngineConfig(BaseModel):
         description="dtype of the recurrent state (Mamba2's SSM state, Gated DeltaNet's "
         "key x value state)",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="dtype of the attention layers' KV cache: auto = dtype; fp8 = e4m3 (a "
+        "byte a value: 2-4x the blocks in the same memory), keys and values scaled by the "
+        "layer's k_scale and v_scale (1.0: as stored) and saturated at e4m3's largest value",
+    )
     conv_state_dtype: DType | None = Field(
         None, description="dtype of the recurrent layers' conv windows; default: dtype"
     )

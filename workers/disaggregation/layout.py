@@ -8,7 +8,7 @@ from hybridserve.transceiver.layout import PeerLayout, StateTensorLayout
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.executors.parallel import local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
-from hybridserve.workers.runner.precision import model_dtype, state_dtype
+from hybridserve.workers.runner.precision import kv_cache_dtype, state_dtype
 
 
 def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -> PeerLayout:
@@ -29,7 +29,7 @@ def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -
         num_kv_heads=attention.num_kv_heads if attention else 0,
         block_size=config.block_size,
         head_dim=attention.head_dim if attention else 0,
-        kv_dtype=str(model_dtype(config)) if attention else "none",
+        kv_dtype=str(kv_cache_dtype(config)) if attention else "none",
         state_kind=state.kind if state else "none",
         num_state_layers=model.num_recurrent_layers,
         state_tensors=tuple(

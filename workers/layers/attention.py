@@ -4,6 +4,10 @@ Gated attention (Qwen3-Next, Qwen3.5) has q_proj give each head its queries foll
 gate logits, (heads, 2 * head_dim) rows; the attention output is multiplied by sigmoid(gate)
 before o_proj. Per-head q/k RMSNorms apply before RoPE.
 
+An FP8 KV cache holds k / k_scale and v / v_scale (per-layer scales from the checkpoint's
+kv_cache_scheme, else 1.0); the scales come back exactly without touching the kernels: the
+softmax scale takes k_scale and the output v_scale.
+
 Under tensor parallelism each rank computes its share of the query heads. KV heads are split
 the same way when there are at least as many as ranks; with fewer (down to one, MQA) each rank
 holds the one KV head its query heads read, replicated over tp / kv_heads ranks.
@@ -32,6 +36,10 @@ from hybridserve.workers.runner.forward_batch import ForwardBatch, KVLayer
 
 
 class Attention(nn.Module):
+    # What an FP8 KV cache holds of k and v: k / k_scale, v / v_scale (the loader sets them).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
     def __init__(
         self,
         spec: AttentionSpec,
@@ -83,6 +91,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(batch.positions, q, k)
+        scale, v_scale = self.scale, 1.0
+        if kv_cache.pool.dtype == torch.float8_e4m3fn and (self.k_scale, self.v_scale) != (1, 1):
+            k, v = k / self.k_scale, v / self.v_scale
+            scale, v_scale = scale * self.k_scale, self.v_scale
         # Through (pool, layer): a step the compiled path traces writes the pool in place.
         store_kv_pooled(k, v, kv_cache.pool, kv_cache.layer, batch.slot_mapping)
 
@@ -96,7 +108,7 @@ class Attention(nn.Module):
                     kv_cache.layer,
                     block_tables=batch.block_tables[:nd],
                     seq_lens=batch.seq_lens[:nd],
-                    scale=self.scale,
+                    scale=scale,
                 )
             )
         if num_tokens > nd:
@@ -108,10 +120,12 @@ class Attention(nn.Module):
                     block_tables=batch.block_tables[nd:],
                     cu_seqlens_q=batch.prefill_cu_seqlens,
                     seq_lens=batch.seq_lens[nd:],
-                    scale=self.scale,
+                    scale=scale,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if v_scale != 1.0:
+            out = out * v_scale
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

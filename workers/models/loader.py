@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from hybridserve.workers.core.tokenizer import Tokenizer
 from hybridserve.workers.executors.parallel import ParallelContext
+from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.layers.linear import fp8_parameters, hold_fp8, shard_tensor
 from hybridserve.workers.models.adapter import ArchitectureAdapter, WeightSource
 from hybridserve.workers.models.config import (
@@ -233,6 +234,7 @@ def load_model(
             with torch.no_grad():
                 param.copy_(shard_tensor(full, param))
         used.update(s.key for s in chosen)
+    _load_kv_scales(model, checkpoint, available, used)
     ignored = checkpoint.adapter.ignored_keys
     unused = sorted(k for k in available - used if ignored is None or not ignored.search(k))
     if unused:
@@ -248,6 +250,33 @@ def load_model(
             "architecture) would load as wrong weights",
         )
     return model
+
+
+def _load_kv_scales(
+    model: HybridForCausalLM, checkpoint: Checkpoint, available: set[str], used: set[str]
+) -> None:
+    """Each attention layer's KV cache scales, where the checkpoint has them (a
+    compressed-tensors kv_cache_scheme: `self_attn.k_scale`; ModelOpt: `k_proj.k_scale`)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        query = checkpoint.adapter.weight_sources(checkpoint.config, f"{name}.q_proj.weight")
+        prefix = query[0][0].key.removesuffix("q_proj.weight")
+        for scale in ("k_scale", "v_scale"):
+            key = next(
+                (k for k in (prefix + scale, f"{prefix}{scale[0]}_proj.{scale}") if k in available),
+                None,
+            )
+            if key is None:
+                continue
+            value = checkpoint.tensors.get(key).float()
+            if value.numel() != 1 or not value.item() > 0:
+                raise WeightError(
+                    checkpoint.tensors.file_of(key), key,
+                    f"a KV cache scale must be one positive number, not {value.tolist()}",
+                )  # fmt: skip
+            setattr(module, scale, value.item())
+            used.add(key)
 
 
 def _assemble(

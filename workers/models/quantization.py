@@ -8,7 +8,9 @@ returns the format that reads each quantized weight and its scales:
                                  ceil(K/bk)): w = q * scale_inv[i // bn, j // bk]
                                  (Qwen3.5, Qwen3-Next, DeepSeek-V3: `weight_block_size`)
     compressed-tensors FP8       weight float8_e4m3fn, weight_scale per tensor () / (1,) or per
-                                 output channel (N, 1): w = q * scale (Nemotron 3, Granite)
+                                 output channel (N, 1): w = q * scale (Nemotron 3, Granite);
+                                 a kv_cache_scheme's per-layer self_attn.k_scale / v_scale
+                                 scale an FP8 KV cache (kv_cache_dtype: fp8; the loader)
 
 Both become an `Fp8Tensor`: the bytes and a float32 scale per group of columns of each row
 (a block's scale repeated over its rows; one group of all columns for per-channel and
@@ -186,6 +188,15 @@ def _compressed_tensors(config: dict[str, Any], refuse: Callable[..., ConfigErro
         if isinstance(activations, dict) and not activations.get("dynamic", False):
             raise refuse(method, f"config_groups.{name}: static input activation scales")
         strategies.add(weights["strategy"])
+    kv = config.get("kv_cache_scheme")
+    if kv is not None and not (
+        isinstance(kv, dict)
+        and kv.get("type") == "float"
+        and kv.get("num_bits") == 8
+        and kv.get("strategy") == "tensor"
+        and not kv.get("dynamic", False)
+    ):
+        raise refuse(method, "kv_cache_scheme: only float 8-bit static per-tensor scales")
     return ScaledFP8("channel" if "channel" in strategies else "tensor")
 
 

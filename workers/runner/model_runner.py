@@ -26,7 +26,12 @@ from hybridserve.workers.models.loader import Checkpoint, load_model
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
-from hybridserve.workers.runner.precision import model_dtype, resolve_precision, state_dtype
+from hybridserve.workers.runner.precision import (
+    kv_cache_dtype,
+    model_dtype,
+    resolve_precision,
+    state_dtype,
+)
 from hybridserve.workers.runner.sampler import (
     Sampler,
     prompt_logprobs,
@@ -130,7 +135,7 @@ class ModelRunner:
             return 0
         heads = local_kv_heads(spec, self.parallel.tp_size)
         elems = 2 * self.block_size * heads * spec.head_dim
-        return self.model_config.num_attention_layers * elems * self.dtype.itemsize
+        return self.model_config.num_attention_layers * elems * kv_cache_dtype(self.config).itemsize
 
     def pool_sizes(self, max_model_len: int) -> PoolSizes:
         """Block and slot counts from the config, or from the memory left on this rank."""
@@ -173,7 +178,7 @@ class ModelRunner:
                     self.block_size,
                     cfg.attention.head_dim,
                 ),
-                self.dtype,
+                kv_cache_dtype(self.config),
                 self.device,
             )
         state = {}

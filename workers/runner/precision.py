@@ -1,5 +1,6 @@
 """Which dtypes an engine computes and stores in, from its arguments, the checkpoint and the
-device: the model dtype (`dtype`) and the recurrent state tensors' dtypes.
+device: the model dtype (`dtype`), the KV cache's (`kv_cache_dtype`) and the recurrent state
+tensors' dtypes.
 
 `dtype: auto` follows the checkpoint's `torch_dtype` on CUDA. On the CPU it is float32: the
 CPU's fast paths (the native decode step, the C mat-vecs, the oneDNN-packed weights) are
@@ -61,6 +62,11 @@ def model_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype == "auto":
         raise ValueError("dtype auto is resolved against the checkpoint first (resolve_precision)")
     return DTYPES[config.dtype]
+
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype of the attention layers' KV pool."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype(config)
 
 
 def state_dtype(config: EngineConfig, role: StateRole) -> torch.dtype:

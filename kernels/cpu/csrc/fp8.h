@@ -62,10 +62,13 @@ static inline dot_vec fp8_load(const uint8_t *p) {
                 for (int r = 0; r < R; ++r) part[r] += v * dot_load(x + r * x_stride + i);    \
             }                                                                                  \
             for (int r = 0; r < R; ++r) acc[r] += part[r] * s[g];                             \
-            for (; i < end; ++i)                                                               \
-                for (int r = 0; r < R; ++r) tail[r] += fp8_value(w[i]) * x[r * x_stride + i] * s[g]; \
+            for (; i < end; ++i) {                                                             \
+                const float wi = fp8_value(w[i]) * s[g];                                       \
+                for (int r = 0; r < R; ++r) tail[r] += wi * x[r * x_stride + i];               \
+            }                                                                                  \
         }                                                                                      \
-        for (int r = 0; r < R; ++r) y[r * y_stride] = (dot_sum(acc[r]) + tail[r]) * FP8_UNSCALE; \
+        for (int r = 0; r < R; ++r)                                                            \
+            y[r * y_stride] = (dot_sum(acc[r]) + tail[r]) * FP8_UNSCALE;                       \
     }
 FP8_DOT_ROWS(1)
 FP8_DOT_ROWS(2)

@@ -212,8 +212,14 @@ void store_kv_(at::Tensor kv_pool, int64_t layer, const at::Tensor &key, const a
         const at::Tensor blocks = kept.div(block_size, "floor"), offsets = kept.remainder(block_size);
         at::Tensor pool = kv_pool.select(1, layer);
         const auto dtype = kv_pool.scalar_type();
-        pool.index_put_({blocks, 0, Slice(), offsets}, key.index_select(0, keep).to(dtype));
-        pool.index_put_({blocks, 1, Slice(), offsets}, value.index_select(0, keep).to(dtype));
+        /* into FP8 saturated at e4m3's largest value, as store_kv_ref: a plain cast makes
+           anything beyond it NaN */
+        const auto cast = [dtype](const at::Tensor &x) {
+            return dtype == at::kFloat8_e4m3fn ? x.to(at::kFloat).clamp(-448.0, 448.0).to(dtype)
+                                               : x.to(dtype);
+        };
+        pool.index_put_({blocks, 0, Slice(), offsets}, cast(key.index_select(0, keep)));
+        pool.index_put_({blocks, 1, Slice(), offsets}, cast(value.index_select(0, keep)));
         return;
     }
     const at::Tensor k = key.contiguous().to(at::kFloat), v = value.contiguous().to(at::kFloat);

@@ -194,6 +194,39 @@ def test_decode_matches_reference(dtype, block_size, H, Hkv, tiles):
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_an_fp8_cache_is_read_as_the_reference_reads_it(kernel):
+    """e4m3 caches (read as bytes and decoded in the kernel) against the reference on the same
+    caches; NaN bytes (the poison block) decode to NaN, so a tile that followed a stale table
+    entry would still show."""
+    torch.manual_seed(6)
+    H, Hkv, block_size = 4, 2, 4
+    _, key_cache, value_cache = make_pool(Hkv, block_size, torch.float8_e4m3fn)
+    assert key_cache[POISON].float().isnan().all()
+    if kernel == "prefill":
+        block_tables = make_tables(PREFILL_SEQ_LENS, block_size, table_width=12)
+        q = make_q(sum(PREFILL_Q_LENS), H, torch.float32)
+        args = (q, key_cache, value_cache, block_tables, PREFILL_SEQ_LENS, PREFILL_Q_LENS, 0.4)
+        out, expected = (run_prefill(f, *args) for f in (paged_attention_prefill,
+                                                         paged_attention_prefill_ref))  # fmt: skip
+    else:
+        block_tables = make_tables(DECODE_SEQ_LENS, block_size, table_width=12)
+        q = make_q(len(DECODE_SEQ_LENS), H, torch.float32)
+        args = (q, key_cache, value_cache, block_tables, DECODE_SEQ_LENS, 0.3)
+        out, expected = (run_decode(f, *args) for f in (paged_attention_decode,
+                                                        paged_attention_decode_ref))  # fmt: skip
+    assert not out.isnan().any()
+    assert_close(out, expected, torch.float32)
+
+
+def test_store_kv_into_an_fp8_cache_saturates():
+    _, key_cache, value_cache = make_pool(2, 4, torch.float8_e4m3fn)
+    key = torch.full((2, 2, D), 1000.0)
+    store_kv(key, -key, key_cache, value_cache, torch.tensor([0, 5]))
+    assert key_cache[0, :, 0].float().eq(448.0).all()
+    assert value_cache[1, :, 1].float().eq(-448.0).all()
+
+
 def test_decode_row_without_context_outputs_zeros():
     torch.manual_seed(5)
     _, key_cache, value_cache = make_pool(2, 4, torch.float16)

@@ -21,12 +21,16 @@ SMALL = {
 }
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_evicted_prefix_comes_back_from_the_host_tier(tp):
-    """At TP 2 every rank offloads and loads its own shard, on the plan's cache ops."""
+@pytest.mark.parametrize(
+    ("tp", "kv_cache_dtype"), [(1, "auto"), (2, "auto"), (1, "fp8")], ids=["tp1", "tp2", "fp8_kv"]
+)
+def test_evicted_prefix_comes_back_from_the_host_tier(tp, kv_cache_dtype):
+    """At TP 2 every rank offloads and loads its own shard, on the plan's cache ops; an FP8
+    KV cache's host blocks hold its bytes."""
     first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
     extended = [*first, 11, 12, 13]
-    with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=tp, **SMALL) as with_host:
+    small = SMALL | {"kv_cache_dtype": kv_cache_dtype}
+    with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=tp, **small) as with_host:
         memory = with_host.engine.executor.driver.memory
         assert memory.host is not None and memory.num_host_blocks > 0
         assert with_host.engine.executor.sizes.num_host_slots > 0
@@ -37,7 +41,8 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tp):
         assert any(n.block_id is None and n.host_block_id is not None for n in cache.tree.nodes())
         (out,) = with_host.generate([extended], GREEDY)
         assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
-        without = LLM("tiny", enable_prefix_caching=False, **SMALL)
+        assert memory.host.kv is not None and memory.host.kv.dtype == memory.device.kv.dtype
+        without = LLM("tiny", enable_prefix_caching=False, **small)
         assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
         assert_pools_at_baseline(with_host.engine)
         assert cache.attention.host.ids.num_free == cache.attention.host.ids.size

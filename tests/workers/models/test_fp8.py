@@ -15,10 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.models.config import ConfigError, WeightError
 from tests.fp8 import FORMATS, compressed_tensors, write_pair
 from tests.helpers import assert_pools_at_baseline, make_hf_model, random_prompts
 
+DYNAMIC_KV = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -102,6 +104,8 @@ def test_a_missing_scale_and_an_fp8_tensor_without_a_config_are_refused(source, 
         (compressed_tensors("tensor") | {"format": "pack-quantized"},
          "format 'pack-quantized': only float-quantized"),
         (compressed_tensors("group"), "strategy 'group': only tensor or channel"),
+        (compressed_tensors("tensor") | {"kv_cache_scheme": DYNAMIC_KV},
+         "kv_cache_scheme: only float 8-bit static per-tensor scales"),
     ],
 )  # fmt: skip
 def test_a_quantization_that_does_not_load_is_refused_naming_it(source, quantization, named):
@@ -117,3 +121,52 @@ def test_a_quantization_that_does_not_load_is_refused_naming_it(source, quantiza
     message = str(refused.value)
     assert "field 'quantization_config'" in message and named in message
     assert "block-wise FP8" in message  # the supported formats are listed
+
+
+def with_kv_scales(fp8: Path, k_scale: float, v_scale: float) -> Path:
+    """`fp8` (compressed-tensors) with a kv_cache_scheme and every attention layer's k_scale
+    and v_scale, as llm-compressor writes them beside `self_attn.q_proj`."""
+    folder = fp8.parent / f"{fp8.name}-kv"
+    folder.mkdir()
+    config = json.loads((fp8 / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    config["quantization_config"]["kv_cache_scheme"] = scheme | {"symmetric": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith("q_proj.weight")]:
+        prefix = key.removesuffix("q_proj.weight")
+        tensors[prefix + "k_scale"] = torch.tensor(k_scale)
+        tensors[prefix + "v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_the_checkpoints_kv_scales_scale_an_fp8_kv_cache(source, tmp_path):
+    """The FP8 cache holds k / k_scale and v / v_scale; powers of two change no e4m3 digit
+    (but for values that cross the subnormal range), so the tokens are the unscaled cache's
+    and the log-probabilities within 1e-2 (2e-3 seen), where a scale applied on one side only
+    fails. A float cache ignores the scales: exactly the checkpoint without them."""
+    fp8, _ = write_pair(source, tmp_path, "channel")
+    scaled = with_kv_scales(fp8, 0.25, 2.0)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = random_prompts([5, 40, 90], seed=9)
+    runs = {}
+    for name, folder, options in [
+        ("fp8 kv", fp8, {"kv_cache_dtype": "fp8"}),
+        ("fp8 kv scaled", scaled, {"kv_cache_dtype": "fp8"}),
+        ("float kv", fp8, {}),
+        ("float kv, scales ignored", scaled, {}),
+    ]:
+        with LLM(str(folder), **options) as llm:
+            runs[name] = llm.generate(prompts, params)
+            attention = [m for m in llm.engine.executor.driver.model.modules()
+                         if isinstance(m, Attention)]  # fmt: skip
+            expected_scales = (0.25, 2.0) if folder == scaled else (1.0, 1.0)
+            assert attention and all((m.k_scale, m.v_scale) == expected_scales for m in attention)
+    for ours, reference in zip(runs["fp8 kv scaled"], runs["fp8 kv"], strict=True):
+        assert ours.token_ids == reference.token_ids
+        for mine, theirs in zip(ours.logprobs, reference.logprobs, strict=True):
+            assert abs(mine.logprob - theirs.logprob) <= 1e-2
+    ignored, plain = runs["float kv, scales ignored"], runs["float kv"]
+    assert [o.token_ids for o in ignored] == [o.token_ids for o in plain]
+    assert [o.logprobs for o in ignored] == [o.logprobs for o in plain]
