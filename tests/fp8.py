@@ -38,14 +38,20 @@ def compressed_tensors(strategy: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# Kept in higher precision as Qwen's FP8 releases keep them (modules_to_not_convert): Gated
+# DeltaNet's small b and a projections.
+UNQUANTIZED = ("in_proj_a.", "in_proj_b.", "in_proj_ba.")
+
+
 def quantized(name: str, tensor: torch.Tensor) -> bool:
     """The linear weights these checkpoints quantize: projections and experts; norms, conv,
-    routers, gates, embeddings and the LM head stay as they are."""
+    routers, gates, embeddings, the LM head and DeltaNet's b and a stay as they are."""
     return (
         tensor.dim() >= 2
         and name.endswith("weight")
         and ("proj" in name or ".experts." in name)
         and "conv1d" not in name
+        and not any(part in name for part in UNQUANTIZED)
     )
 
 

@@ -1,8 +1,12 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5): in_proj -> causal conv over q|k|v -> gated delta rule
 -> per-head RMSNorm gated by z -> out_proj.
 
-    in_proj rows:  q (key_dim) | k (key_dim) | v (value_dim) | z (value_dim) | b (Hv) | a (Hv)
+    in_proj rows:     q (key_dim) | k (key_dim) | v (value_dim) | z (value_dim)
+    in_proj_ba rows:  b (Hv) | a (Hv)
     beta = sigmoid(b),   g = -exp(A_log) * softplus(a + dt_bias)   (per value head)
+
+The two are separate layers because FP8 checkpoints quantize the first and keep the second
+(small, and feeding the decay) in bfloat16: one fused matrix of both could not stay FP8.
 
 State per sequence lives in a state slot (this layer's conv window over q|k|v and its
 (Hv, Dk, Dv) key x value state: the `gdn` kind of models/recurrent_state.py). Decode rows
@@ -61,15 +65,16 @@ class GatedDeltaNet(nn.Module):
         value_rows = (parallel.tp_rank * self.value_dim, self.value_dim)
         head_rows = (parallel.tp_rank * self.num_value_heads, self.num_value_heads)
 
-        # conv channels: q | k | v; in_proj rows: q | k | v | z | b | a.
+        # conv channels: q | k | v; in_proj rows: q | k | v | z; in_proj_ba rows: b | a.
         qkv = [(key_rows, key_dim), (key_rows, key_dim), (value_rows, value_dim)]
         conv_rows = section_ranges(qkv)
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj = ColumnParallelLinear(
+            hidden_size, section_ranges([*qkv, (value_rows, value_dim)]), False, dtype, device
+        )
+        self.in_proj_ba = ColumnParallelLinear(
             hidden_size,
-            section_ranges(
-                [*qkv, (value_rows, value_dim), (head_rows, value_heads), (head_rows, value_heads)]
-            ),
+            section_ranges([(head_rows, value_heads), (head_rows, value_heads)]),
             False,
             dtype,
             device,
@@ -96,9 +101,8 @@ class GatedDeltaNet(nn.Module):
         spec = self.spec
         num_tokens = hidden.shape[0]
         heads, value_head_dim = self.num_value_heads, spec.value_head_dim
-        qkv, z, b, a = self.in_proj(hidden).split(
-            [self.conv_dim, self.value_dim, heads, heads], dim=-1
-        )
+        qkv, z = self.in_proj(hidden).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(hidden).split([heads, heads], dim=-1)
         beta = b.sigmoid()
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
         conv_weight = self.conv_weight[:, 0, :]

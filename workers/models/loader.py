@@ -60,7 +60,6 @@ class SafetensorsSource:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     self._file_of[key] = file
-        self._handles: dict[Path, Any] = {}
 
     def keys(self) -> Iterable[str]:
         return self._file_of.keys()
@@ -69,10 +68,11 @@ class SafetensorsSource:
         return self._file_of[key].name
 
     def get(self, key: str) -> torch.Tensor:
-        file = self._file_of[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file].get_tensor(key)
+        # NOTE: opened for each tensor: a handle kept open keeps every page read through its
+        # mapping resident, so loading would hold the whole checkpoint beside the model; a
+        # tensor read is a copy, and the header parse costs ~1 ms.
+        with safe_open(str(self._file_of[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
 
 
 @dataclass

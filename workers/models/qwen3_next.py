@@ -210,24 +210,27 @@ class Qwen3NextAdapter:
         spec = config.gdn
         assert spec is not None
         renames = {"conv_weight": "conv1d.weight", "norm_weight": "norm.weight"}
-        if param != "in_proj.weight":
-            return single(f"{mixer}.{renames.get(param, param)}")
         kd, vd, hv = spec.key_dim, spec.value_dim, spec.num_value_heads
-        qkvz_rows, ba_rows = _fused_rows(spec)
-        return [
-            [  # Qwen3.5: one tensor per section
-                WeightSource(f"{mixer}.in_proj_qkv.weight", slice(0, 2 * kd + vd)),
-                WeightSource(f"{mixer}.in_proj_z.weight", slice(2 * kd + vd, 2 * kd + 2 * vd)),
-                WeightSource(
-                    f"{mixer}.in_proj_b.weight", slice(2 * kd + 2 * vd, 2 * kd + 2 * vd + hv)
-                ),
-                WeightSource(f"{mixer}.in_proj_a.weight", slice(2 * kd + 2 * vd + hv, None)),
-            ],
-            [  # Qwen3-Next: fused per key head, scattered into our rows
-                WeightSource(f"{mixer}.in_proj_qkvz.weight", qkvz_rows),
-                WeightSource(f"{mixer}.in_proj_ba.weight", ba_rows),
-            ],
-        ]
+        if param in ("in_proj.weight", "in_proj_ba.weight"):
+            qkvz_rows, ba_rows = _fused_rows(spec)
+        if param == "in_proj.weight":
+            return [
+                [  # Qwen3.5: one tensor per section
+                    WeightSource(f"{mixer}.in_proj_qkv.weight", slice(0, 2 * kd + vd)),
+                    WeightSource(f"{mixer}.in_proj_z.weight", slice(2 * kd + vd, None)),
+                ],
+                # Qwen3-Next: fused per key head, scattered into our rows
+                [WeightSource(f"{mixer}.in_proj_qkvz.weight", qkvz_rows)],
+            ]
+        if param == "in_proj_ba.weight":
+            return [
+                [
+                    WeightSource(f"{mixer}.in_proj_b.weight", slice(0, hv)),
+                    WeightSource(f"{mixer}.in_proj_a.weight", slice(hv, None)),
+                ],
+                [WeightSource(f"{mixer}.in_proj_ba.weight", ba_rows)],
+            ]
+        return single(f"{mixer}.{renames.get(param, param)}")
 
     @staticmethod
     def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
@@ -270,8 +273,8 @@ class Qwen3NextAdapter:
 
 def _fused_rows(spec: GatedDeltaNetSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each row of Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` goes in our in_proj rows
-    q | k | v | z | b | a: key head h's rows are [q_h | k_h | v_h | z_h] and [b_h | a_h], its
-    value heads being h * r ... h * r + r - 1 (r = Hv / Hk)."""
+    q | k | v | z and in_proj_ba rows b | a: key head h's rows are [q_h | k_h | v_h | z_h] and
+    [b_h | a_h], its value heads being h * r ... h * r + r - 1 (r = Hv / Hk)."""
     dk, dv, hk, hv = (
         spec.key_head_dim,
         spec.value_head_dim,
@@ -286,6 +289,6 @@ def _fused_rows(spec: GatedDeltaNetSpec) -> tuple[torch.Tensor, torch.Tensor]:
         qkvz += range(kd + h * dk, kd + (h + 1) * dk)  # k
         qkvz += range(2 * kd + h * r * dv, 2 * kd + (h + 1) * r * dv)  # v
         qkvz += range(2 * kd + vd + h * r * dv, 2 * kd + vd + (h + 1) * r * dv)  # z
-        ba += range(2 * kd + 2 * vd + h * r, 2 * kd + 2 * vd + (h + 1) * r)  # b
-        ba += range(2 * kd + 2 * vd + hv + h * r, 2 * kd + 2 * vd + hv + (h + 1) * r)  # a
+        ba += range(h * r, (h + 1) * r)  # b
+        ba += range(hv + h * r, hv + (h + 1) * r)  # a
     return torch.tensor(qkvz), torch.tensor(ba)

@@ -21,7 +21,8 @@ typedef struct {
 typedef struct {
     int64_t kind, cache_index;
     const float *norm;
-    Linear in[3]; /* mamba, gdn: in_proj; attention: q, k, v; mlp: up or [gate | up] */
+    Linear in[3]; /* mamba: in_proj; gdn: in_proj, in_proj_ba; attention: q, k, v; mlp: up or
+                     [gate | up] */
     Linear out;   /* out_proj, o_proj or down_proj */
     /* mamba (and gdn: conv_weight, dt_bias, A, gate_norm, conv_kernel, gate_eps) */
     const float *conv_weight, *conv_bias, *dt_bias, *A, *D, *gate_norm;
@@ -224,7 +225,7 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
     const int64_t Dv = l->value_head_dim, rows = step->rows, per_key = Hv / Hk;
     const int64_t key_dim = Hk * Dk, value_dim = Hv * Dv, conv_dim = 2 * key_dim + value_dim;
     rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
-    project(m, l->in, 1, m->normed, m->projected, rows);
+    project(m, l->in, 2, m->normed, m->projected, rows); /* in_proj, then in_proj_ba */
     /* a row of projected: q | k | v (conv_dim) | z (value_dim) | b (Hv) | a (Hv);
        a row of mixed: q | k | v convolved (conv_dim) | y (value_dim) */
     conv_update(m, l, step, 0, conv_dim);

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridserve.workers import LLM, SamplingParams
 from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.models.config import ConfigError, WeightError
 from tests.fp8 import FORMATS, compressed_tensors, write_pair
 from tests.helpers import assert_pools_at_baseline, make_hf_model, random_prompts
@@ -49,8 +50,15 @@ def test_an_fp8_checkpoint_gives_the_tokens_of_its_dequantised_weights(
     with LLM(str(dequantised), snapshot_interval=32) as reference:
         expected = [o.token_ids for o in reference.generate(prompts + again, GREEDY)]
     with LLM(str(fp8), snapshot_interval=32, fp8_weights=fp8_weights) as llm:
-        # Every quantized projection and expert stack stays FP8, or none does.
+        # Every quantized projection and expert stack stays FP8, or none does; DeltaNet's
+        # in_proj stays FP8 beside its float b and a (a separate layer, as the checkpoints
+        # quantize them).
         assert (fp8_parameters(llm) > 10) == (fp8_weights == "keep")
+        for module in llm.engine.executor.driver.model.modules():
+            if isinstance(module, GatedDeltaNet):
+                kept = module.in_proj.weight.dtype == torch.float8_e4m3fn
+                assert kept == (fp8_weights == "keep")
+                assert module.in_proj_ba.weight.dtype == torch.float32
         together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
         (reused,) = llm.generate(again, GREEDY)

@@ -235,7 +235,7 @@ class NativePath(ForwardPath):
             A = -torch.exp(op.A_log.float())  # as the model's step computes it
             self._keep.append(A)
             layer.kind = cpu_decode_step.KIND_GDN
-            layer.in_[0] = self._linear(op.in_proj)
+            layer.in_[0], layer.in_[1] = self._linear(op.in_proj), self._linear(op.in_proj_ba)
             layer.out = self._linear(op.out_proj)
             layer.conv_weight, layer.conv_silu = self._pointer(op.conv_weight), True
             layer.dt_bias, layer.A = self._pointer(op.dt_bias), self._pointer(A)
