@@ -4,7 +4,9 @@
 #      against eager steps, and the engine on CUDA against transformers (tests/);
 #   2. bench/kernels.py: each kernel against its reference and the roofline;
 #   3. bench/step_overhead.py on CUDA: the decode step eager and as CUDA graphs, fp32 and bf16;
-#   4. bench/fp8_weights.py on CUDA: FP8 weights (the Triton FP8 GEMM) against bf16 ones.
+#   4. bench/fp8_weights.py on CUDA: FP8 weights (the Triton FP8 GEMM) against bf16 ones;
+#   5. bench/speculative.py on CUDA: n-gram speculation against plain decoding, at 1 and 8
+#      requests with no batch limit (a GPU's default).
 #
 #   bash bench/gpu_checks.sh [results folder, default bench/results/gpu]
 #
@@ -37,4 +39,5 @@ for dtype in float32 bfloat16; do
 done
 step fp8_weights python3 bench/fp8_weights.py --device cuda --dtype bfloat16 \
     --output "$out/fp8_weights.json"
+step speculative python3 bench/speculative.py --repeats 2 --output "$out/speculative.json"
 exit $status

@@ -59,6 +59,9 @@ def add_model_options(
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif isinstance(kind, type) and issubclass(kind, BaseModel):
+            # A nested configuration (speculative_config): a JSON object, as vLLM takes it.
+            group.add_argument(flag, type=_json_object, default=None, metavar="JSON", help=text)
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=None, help=text)
         elif typing.get_origin(kind) is tuple:
@@ -70,6 +73,16 @@ def add_model_options(
                 group.add_argument(flag, type=item, nargs="*", default=None, help=text)
         else:
             group.add_argument(flag, type=kind, default=None, help=text)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('expected a JSON object, e.g. \'{"method": "ngram"}\'')
+    return value
 
 
 def model_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

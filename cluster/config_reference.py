@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.routing.router import RouterConfig
 from hybridserve.workers.core.config import EngineConfig
+from hybridserve.workers.speculative.config import SpeculativeConfig
 
 HEADER = """# Configuration
 
@@ -38,6 +39,12 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
         "Engine (`EngineConfig`)",
         EngineConfig,
         "One engine: model, memory pools, batching, parallelism, forward paths, disaggregation.",
+    ),
+    (
+        "Speculative decoding (`EngineConfig.speculative_config`, `SpeculativeConfig`)",
+        SpeculativeConfig,
+        "How a decode step guesses and verifies several tokens of each request "
+        "(docs/speculative-decoding.md).",
     ),
     (
         "Service (`ServiceConfig`)",

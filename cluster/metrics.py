@@ -90,6 +90,13 @@ class EngineStats(BaseModel):
         default_factory=dict, description="links closed in their handshake, by reason"
     )
     integrity_failures: int = Field(0, ge=0, description="idle pool recounts that failed")
+    # Speculative decoding (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts: int = Field(0, ge=0, description="verify steps")
+    spec_decode_num_draft_tokens: int = Field(0, ge=0, description="draft tokens verified")
+    spec_decode_num_accepted_tokens: int = Field(0, ge=0, description="draft tokens accepted")
+    spec_decode_num_accepted_tokens_per_pos: list[int] = Field(
+        default_factory=list, description="accepted drafts by their offset in the span"
+    )
 
 
 _ENGINE_GAUGES = {
@@ -111,6 +118,9 @@ _ENGINE_COUNTERS = {
     "reused_tokens": "Prompt tokens reused instead of recomputed.",
     "transfer_bytes": "Bytes of KV and Mamba state transferred.",
     "integrity_failures": "Idle-time cache recounts that found the pools inconsistent.",
+    "spec_decode_num_drafts": "Speculative decoding: verify steps (one per request per step).",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
 }
 _ENGINE_COUNTERS_BY_REASON = {
     "transfer_failures": "Failed transfers, by reason.",
@@ -146,6 +156,17 @@ class _EngineCollector(Collector):
                 for reason, count in sorted(getattr(stats, name).items()):
                     counter.add_metric([self.model_name, engine, reason], count)
             yield counter
+        # Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted /
+        # drafts (vLLM's dashboard derives both from these counters the same way).
+        counter = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by their offset in the span.",
+            labels=[*labels, "position"],
+        )
+        for engine, stats in engines.items():
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                counter.add_metric([self.model_name, engine, str(position)], count)
+        yield counter
 
 
 class ServiceMetrics:

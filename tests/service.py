@@ -34,13 +34,23 @@ SERVICE = {
 }
 
 
+# Speculative decoding at its most eager: nearly every decode step verifies drafts (n-gram
+# lookup from one token) and most roll back, none pause.
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "disable_below_acceptance": 0.0,
+    "disable_by_batch_size": 64,
+}
+
 # A prefill engine of one rank, two decode engines of two rank actors each (placement groups
-# of two 0.5-CPU bundles); prompts go through the prefill engine.
+# of two 0.5-CPU bundles) that speculate; prompts go through the prefill engine.
 TP_SERVICE = {
     "num_prefill": 1,
     "num_decode": 2,
     "engine": ENGINE,
-    "decode_engine": {"tensor_parallel_size": 2},
+    "decode_engine": {"tensor_parallel_size": 2, "speculative_config": SPECULATIVE},
     "rank_resources": {"CPU": 0.5},
     "torch_threads": 1,
     "cpu_wait_policy": "brief",  # reaches every engine process, rank actors included

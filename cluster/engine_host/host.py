@@ -49,6 +49,7 @@ from hybridserve.transceiver.shards import RankShardsPort
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
 from hybridserve.workers.cache.events import CacheEvent, event_to_dict
 from hybridserve.workers.disaggregation.prefill_port import Handoff
+from hybridserve.workers.speculative.stats import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,8 @@ class EngineHost:
             prefill_port = self.engine.prefill_port
             num_blocks = self.engine.num_kv_blocks
             used = num_blocks - cache.num_free_blocks
+            speculator = scheduler.speculator
+            speculation = speculator.stats if speculator is not None else SpeculationStats()
             return {
                 "num_requests_running": len(scheduler.running),
                 "num_requests_waiting": len(scheduler.waiting),
@@ -222,6 +225,10 @@ class EngineHost:
                 "transfers_in_flight": self.links.num_sending + self.links.num_receiving,
                 "handoffs_held": len(prefill_port.pending) if prefill_port is not None else 0,
                 "integrity_failures": self.integrity_failures,
+                "spec_decode_num_drafts": speculation.num_drafts,
+                "spec_decode_num_draft_tokens": speculation.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(speculation.accepted_per_position),
             }
 
     def check_integrity(self) -> dict[str, Any]:

@@ -112,6 +112,8 @@ class Step(ctypes.Structure):
         ("tables", ctypes.c_void_p),
         ("width", ctypes.c_int64),
         ("slots", ctypes.c_void_p),
+        ("lanes", ctypes.c_int64),
+        ("lane_starts", ctypes.c_void_p),
     ]
 
 

@@ -33,6 +33,18 @@ def test_generate_json_and_config_file(tmp_path, capsys):
     assert [len(json.loads(x)["token_ids"]) for x in capsys.readouterr().out.splitlines()] == [2, 2]
 
 
+def test_speculative_config_is_a_json_object_and_keeps_the_tokens(capsys):
+    argv = ["generate", "--prompt", "abcabcabc", "--max-tokens", "12", "--temperature", "0"]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    assert main([*argv, "--json", "--speculative-config", spec]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain
+    with pytest.raises(SystemExit):
+        main([*argv, "--speculative-config", "[3]"])
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
 def test_generate_across_two_rank_processes_gives_the_tokens_of_one(capsys):
     argv = ["generate", "--prompt", "tensor parallel", "--max-tokens", "8", "--json"]
     argv += ["--temperature", "0", "--max-model-len", "64", "--num-kv-blocks", "16"]
@@ -56,6 +68,7 @@ def test_unknown_config_key_is_rejected(tmp_path, capsys):
         ("--max-tokens", "0", "max_tokens: Input should be greater than or equal to 1"),
         ("--temperature", "-1", "temperature: Input should be greater than or equal to 0"),
         ("--model", "/does/not/exist", "no config.json there"),
+        ("--speculative-config", '{"method": "mtp"}', "method 'mtp' is not available"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_named_error(flag, value, message, capsys):

@@ -106,7 +106,12 @@ def test_engine_reports_are_exported_as_last_reported():
                 "added_by_a_newer_engine": 1,
             },
             "decode-0": EngineStats(
-                num_requests_running=5, transfer_links_refused={"unauthenticated": 3}
+                num_requests_running=5,
+                transfer_links_refused={"unauthenticated": 3},
+                spec_decode_num_drafts=10,
+                spec_decode_num_draft_tokens=40,
+                spec_decode_num_accepted_tokens=25,
+                spec_decode_num_accepted_tokens_per_pos=[9, 8, 5, 3],
             ),
         }
     )
@@ -128,6 +133,12 @@ def test_engine_reports_are_exported_as_last_reported():
     assert samples[(failures, labels(engine="prefill-0", reason="peer_died"))] == 1
     refused = "hybridserve:transfer_links_refused_total"
     assert samples[(refused, labels(engine="decode-0", reason="unauthenticated"))] == 3
+    assert samples[("hybridserve:spec_decode_num_drafts_total", decode)] == 10
+    assert samples[("hybridserve:spec_decode_num_draft_tokens_total", decode)] == 40
+    assert samples[("hybridserve:spec_decode_num_accepted_tokens_total", decode)] == 25
+    per_position = "hybridserve:spec_decode_num_accepted_tokens_per_pos_total"
+    assert samples[(per_position, labels(engine="decode-0", position="2"))] == 5
+    assert (per_position, labels(engine="prefill-0", position="0")) not in samples
     assert samples[("hybridserve:prefix_index_blocks", labels())] == 12
     assert samples[("hybridserve:prefix_index_snapshots", labels())] == 3
 

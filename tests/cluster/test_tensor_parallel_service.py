@@ -1,8 +1,9 @@
 """Tensor-parallel engines in the service: each is rank actors in its own placement group (here
-two decode engines of TP 2 behind a TP 1 prefill engine). Over HTTP with the `openai` client
-they give the offline TP 1 engine's tokens; a rank of a decode engine killed mid-stream ends
-that engine's streams with an error, the engine leaves the router and the index, and the rest
-keep serving."""
+two decode engines of TP 2 behind a TP 1 prefill engine, speculating). Over HTTP with the
+`openai` client they give the offline TP 1 engine's tokens (greedy: the engine without
+speculation; sampled: with the same speculation, whose draws are then the same); a rank of
+a decode engine killed mid-stream ends that engine's streams with an error, the engine leaves
+the router and the index, and the rest keep serving."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hybridserve.workers import LLM, SamplingParams
 from tests.service import (
     ENGINE,
     PROMPT,
+    SPECULATIVE,
     assert_at_baseline,
     client,
     offline_tokens,
@@ -87,15 +89,22 @@ def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     streamed = [t for chunk in stream for c in chunk.choices for t in (c.token_ids or [])]
-    assert streamed == offline_tokens(
-        offline, PROMPT, max_tokens=10, temperature=0.9, seed=11, ignore_eos=True
-    )
+    with LLM("tiny", speculative_config=SPECULATIVE, **ENGINE) as speculating:
+        assert streamed == offline_tokens(
+            speculating, PROMPT, max_tokens=10, temperature=0.9, seed=11, ignore_eos=True
+        )
     messages = [{"role": "user", "content": "Say something about state space models."}]
     chat = client(tp_service).chat.completions.create(
         model="tiny", messages=messages, max_tokens=8, temperature=0
     )
     (expected_chat,) = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0))
     assert chat.choices[0].message.content == expected_chat.text
+    drafted = [
+        ray.get(engine.stats.remote())["spec_decode_num_draft_tokens"]
+        for name, engine in tp_service.engines().items()
+        if name.startswith("decode")
+    ]
+    assert sum(drafted) > 0  # the decode engines verified drafts
     assert_at_baseline(tp_service)
 
 

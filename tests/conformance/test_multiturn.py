@@ -14,6 +14,8 @@ tests/workers/test_parity.py), on a block-FP8 Qwen3-Next and on Qwen3.5 with an 
 (its transcripts too); set HYBRIDSERVE_CONFORMANCE_MODEL to an HF checkpoint folder to run it
 against that model instead. One configuration per architecture
 also runs at tensor_parallel_size 2 (the same transcripts: TP 1 without reuse is the oracle).
+Half the configurations decode with speculation on (n-gram drafts verified and mostly rolled
+back); the transcripts come without it.
 """
 
 from __future__ import annotations
@@ -34,19 +36,32 @@ NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 12, 4, 12
 GREEDY = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
 WARM = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 COMMON = {"block_size": 16, "max_num_seqs": 8}
+# Speculative decoding at its most eager: a 1-token match proposes and nothing pauses, so on
+# these random models nearly every decode step verifies drafts and rolls back.
+SPECULATIVE = {
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "disable_below_acceptance": 0.0,
+        "disable_by_batch_size": 64,
+    }
+}
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "interval-only": {"snapshot_interval": 32, "save_last_snapshot": False},
     "save-last-only": {"snapshot_interval": 0, "save_last_snapshot": True},
-    "interval-and-save-last": {"snapshot_interval": 48},
+    "interval-and-save-last": {"snapshot_interval": 48} | SPECULATIVE,
     "partial-reuse-off": {"snapshot_interval": 48, "enable_partial_reuse": False},
-    "budget-below-interval": {"snapshot_interval": 64, "max_num_batched_tokens": 32},
+    "budget-below-interval": {"snapshot_interval": 64, "max_num_batched_tokens": 32} | SPECULATIVE,
     "eviction": {
         "snapshot_interval": 32,
         "num_kv_blocks": 40,
         "max_model_len": 512,
-        "num_state_slots": COMMON["max_num_seqs"] + 6,
-    },
+        # Live and checkpoint slots, and 6 for snapshots.
+        "num_state_slots": 2 * COMMON["max_num_seqs"] + 6,
+    }
+    | SPECULATIVE,
 }
 # At tensor_parallel_size 2: one configuration per architecture, each stressing another path.
 TP_CONFIGS = {
@@ -196,6 +211,8 @@ def replay(llm: LLM, turns: list[Turn], config_name: str) -> None:
         llm.engine.check_integrity()
     stats = llm.engine.cache.stats
     assert stats.hits > 0 and stats.reused_tokens > 0
+    if "speculative_config" in config:
+        assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
     if config_name == "partial-reuse-off":
         assert stats.unaligned_hits == 0
     if config_name == "eviction":  # the small pools really did evict

@@ -6,6 +6,7 @@ It answers these questions, each in one method:
 - how much more once prompts in flight commit?     `reuse_in_flight`
 - room for its next chunk (and the reuse itself)?  `allocate`
 - what becomes reusable after this step?           `commit`
+- keep / restore the state around a verify step?   `checkpoint`, `rollback`
 
 The prefix tree is shared: a node is one block of one prefix and carries each kind's page (a
 KV block for attention, at most one recurrent state snapshot). Each kind's manager owns its
@@ -122,6 +123,7 @@ class CacheCoordinator:
         block_size: int,
         num_live_slots: int,
         num_snapshot_slots: int = 0,
+        num_checkpoint_slots: int = 0,
         prefix: PrefixCachingConfig | None = None,
         host_blocks: int = 0,
         host_slots: int = 0,
@@ -138,7 +140,12 @@ class CacheCoordinator:
             on_unbacked=self._remove_subtree,
         )
         self.recurrent = RecurrentStateManager(
-            num_live_slots, num_snapshot_slots, self.ops, self._events, num_host_slots=host_slots
+            num_live_slots,
+            num_snapshot_slots,
+            self.ops,
+            self._events,
+            num_checkpoint_slots=num_checkpoint_slots,
+            num_host_slots=host_slots,
         )
         self.stats = CacheStats()
         self._requests: dict[str, _RequestCache] = {}
@@ -434,6 +441,24 @@ class CacheCoordinator:
             self.recurrent.adopt(sibling, node)
             self._remove_subtree(sibling)
         return node
+
+    # ---- 5. speculative decoding ------------------------------------------------------------
+
+    def can_checkpoint(self, request: Request) -> bool:
+        return self.recurrent.can_checkpoint(request.request_id)
+
+    def checkpoint(self, request: Request) -> None:
+        """The request verifies drafts this step: keep its live state as it is before."""
+        self.recurrent.checkpoint(request.request_id)
+
+    def rollback(self, request: Request) -> None:
+        """A draft was rejected: the live state goes back to the checkpoint (the request's
+        cursor goes back with it, and the accepted tokens are computed again)."""
+        self.recurrent.rollback(request.request_id)
+
+    def release_checkpoint(self, request: Request) -> None:
+        """Every draft stood: the live state is exact as it is."""
+        self.recurrent.release_checkpoint(request.request_id)
 
     # ---- release --------------------------------------------------------------------------
 

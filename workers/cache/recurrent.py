@@ -1,13 +1,21 @@
-"""RecurrentStateManager: live slots for running requests and snapshot slots for the prefix tree.
+"""RecurrentStateManager: live slots for running requests, checkpoint slots for speculative
+decoding, and snapshot slots for the prefix tree.
 
-The recurrent state pools have `num_live_slots + num_snapshot_slots` slots:
+The recurrent state pools have `num_live_slots + num_checkpoint_slots + num_snapshot_slots`
+slots:
 
-    slot:  0 ........ num_live_slots-1 | num_live_slots ........ total-1
-           live (one per running request,  snapshots (owned by prefix-tree nodes,
-           handed out lowest first)        evicted least recently used first)
+    slot:  0 ...... live-1 | live ...... live+checkpoints-1 | ............ total-1
+           live (one per    checkpoints (a request's state     snapshots (owned by
+           running request, before its verify step; none       prefix-tree nodes, evicted
+           lowest first)    without speculative decoding)      least recently used first)
 
-Keeping the two apart keeps live slots packed at the low end (decode rows then cover one
+Keeping them apart keeps live slots packed at the low end (decode rows then cover one
 contiguous run) and makes "enough slots for every running request" a fixed fact.
+
+A state cannot be rewound, so a request about to verify draft tokens keeps a copy of its
+live state (`checkpoint`); if a draft is rejected, the copy goes back (`rollback`) and the
+accepted tokens are computed again from it. Only states after verified tokens ever reach a
+snapshot: a commit reads the live slot, which holds one only between steps.
 
 What a slot holds (a Mamba2 layer's conv window and SSM state, a Gated DeltaNet layer's conv
 window and key x value state, for every recurrent layer) is the model runner's business
@@ -107,25 +115,30 @@ class RecurrentStateManager:
         ops: CacheOpLog,
         events: list,
         *,
+        num_checkpoint_slots: int = 0,
         num_host_slots: int = 0,
     ) -> None:
         self.num_live_slots = num_live_slots
         self.ops = ops
         self.events = events
         self.live = IdPool("state live slots", num_live_slots, order="lowest")
-        self.snapshots = SnapshotPool(num_live_slots, num_snapshot_slots, self._evict)
+        self.checkpoints = IdPool("state checkpoint slots", num_checkpoint_slots)
+        self.snapshots = SnapshotPool(
+            num_live_slots + num_checkpoint_slots, num_snapshot_slots, self._evict
+        )
         self.host = (
             HostRegion("host state slots", num_host_slots, self._drop_host_copy)
             if num_host_slots
             else None
         )
         self._live: dict[str, int] = {}
+        self._checkpoints: dict[str, int] = {}  # request id -> its checkpoint slot
         # The host slot a running restore reads from: never dropped meanwhile.
         self._pinned: set[int] = set()
 
     @property
     def num_slots(self) -> int:
-        return self.num_live_slots + self.snapshots.ids.size
+        return self.num_live_slots + self.checkpoints.size + self.snapshots.ids.size
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -171,11 +184,38 @@ class RecurrentStateManager:
 
     def rename(self, request_id: str, new_id: str) -> None:
         self._live[new_id] = self._live.pop(request_id)
+        if request_id in self._checkpoints:
+            self._checkpoints[new_id] = self._checkpoints.pop(request_id)
 
     def free(self, request_id: str) -> None:
         slot = self._live.pop(request_id, None)
         if slot is not None:
             self.live.free([slot])
+        self.release_checkpoint(request_id)
+
+    # ---- checkpoints (speculative decoding) ------------------------------------------------
+
+    def can_checkpoint(self, request_id: str) -> bool:
+        return request_id in self._checkpoints or self.checkpoints.num_free > 0
+
+    def checkpoint(self, request_id: str) -> None:
+        """Keep a copy of the request's live state (taken before this step's forward)."""
+        slot = self._checkpoints.get(request_id)
+        if slot is None:
+            slot = self.checkpoints.allocate(1)[0] + self.num_live_slots
+            self._checkpoints[request_id] = slot
+        self.ops.append(CopySlot(self._live[request_id], slot))
+
+    def rollback(self, request_id: str) -> None:
+        """Put the checkpoint back into the live slot (applied before the next step's
+        forward) and free it."""
+        self.ops.append(CopySlot(self._checkpoints[request_id], self._live[request_id]))
+        self.release_checkpoint(request_id)
+
+    def release_checkpoint(self, request_id: str) -> None:
+        slot = self._checkpoints.pop(request_id, None)
+        if slot is not None:
+            self.checkpoints.free([slot - self.num_live_slots])
 
     # ---- snapshots ------------------------------------------------------------------------
 
@@ -281,6 +321,9 @@ class RecurrentStateManager:
     def check_integrity(self, tree_nodes: Iterable[TreeNode]) -> list[str]:
         """Recount the slot pools; returns the tree-side problems found."""
         self.live.check_integrity(list(self._live.values()))
+        self.checkpoints.check_integrity(
+            [slot - self.num_live_slots for slot in self._checkpoints.values()]
+        )
         self.snapshots.check_integrity()
         if self.host is not None:
             self.host.check_integrity()

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridserve.workers.runner.paths import ForwardPathName
+from hybridserve.workers.speculative.config import SpeculativeConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -41,6 +42,13 @@ class EngineConfig(BaseModel):
         "first time on a small CPU; tensor_parallel_size 1). A path that cannot serve the "
         "model or device logs why at start and is skipped",
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description="speculative decoding (vLLM's speculative_config; a JSON object on the "
+        "command line): each decode step verifies the proposer's guesses of a request's next "
+        "tokens and keeps those the model agrees with (docs/speculative-decoding.md); None: "
+        "one token per request per step",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest prompt + output; default: the model's, at most 8192"
     )
@@ -60,8 +68,9 @@ class EngineConfig(BaseModel):
     num_state_slots: int | None = Field(
         None,
         ge=1,
-        description="recurrent state slots (Mamba2, Gated DeltaNet), live + snapshots; default "
-        "max_num_seqs, plus max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
+        description="recurrent state slots (Mamba2, Gated DeltaNet): live + checkpoints + "
+        "snapshots; default max_num_seqs live, as many checkpoints with speculative decoding, "
+        "and max(2 * max_num_seqs, 64) snapshot slots with prefix caching",
     )
     recurrent_state_dtype: DType = Field(
         "float32",
@@ -214,11 +223,17 @@ class EngineConfig(BaseModel):
                     "prefix caching with no snapshot points would never reuse anything: "
                     "set snapshot_interval > 0 or save_last_snapshot=True"
                 )
-        if self.num_state_slots is not None and self.num_state_slots < self.max_num_seqs:
+        needed = self.num_live_slots + self.num_checkpoint_slots
+        if self.num_state_slots is not None and self.num_state_slots < needed:
+            why = (
+                "every running request needs a live slot, and with speculative decoding a "
+                "checkpoint slot too"
+                if self.num_checkpoint_slots
+                else "every running request needs a live slot"
+            )
             raise ValueError(
-                f"num_state_slots ({self.num_state_slots}) is smaller than max_num_seqs "
-                f"({self.max_num_seqs}): every running request needs a live slot; raise "
-                "num_state_slots or lower max_num_seqs"
+                f"num_state_slots ({self.num_state_slots}) is smaller than {needed}: {why}; "
+                "raise num_state_slots or lower max_num_seqs"
             )
         self._check_parallelism()
         return self
@@ -256,7 +271,14 @@ class EngineConfig(BaseModel):
         return self.max_num_seqs
 
     @property
+    def num_checkpoint_slots(self) -> int:
+        """Speculative decoding: a slot per running request for its state before a verify
+        step, copied back when a draft is rejected (a prefill engine never verifies)."""
+        speculates = self.speculative_config is not None and self.role != "prefill"
+        return self.max_num_seqs if speculates else 0
+
+    @property
     def num_snapshot_slots(self) -> int:
         if self.num_state_slots is not None:
-            return self.num_state_slots - self.max_num_seqs
+            return self.num_state_slots - self.num_live_slots - self.num_checkpoint_slots
         return max(2 * self.max_num_seqs, 64) if self.enable_prefix_caching else 0

@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import logging
 
+from hybridserve.kernels.cpu.gemm import GEMV_ROWS
 from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
 from hybridserve.workers.cache.events import CacheEventSink
 from hybridserve.workers.core.config import EngineConfig
@@ -37,6 +38,7 @@ from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.precision import resolve_precision
+from hybridserve.workers.speculative.proposer import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class Engine:
             block_size=config.block_size,
             num_live_slots=config.num_live_slots,
             num_snapshot_slots=config.num_snapshot_slots,
+            num_checkpoint_slots=config.num_checkpoint_slots,
             prefix=prefix,
             host_blocks=sizes.num_host_blocks,
             host_slots=sizes.num_host_slots,
@@ -101,6 +104,9 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             fork_on_sample=config.role != "prefill",
+            # A prefill engine hands each request off after its first token: nothing to
+            # speculate there.
+            speculator=self._speculator(),
         )
         # Each rank's state, as the transceiver describes it (rank 0's is this process's).
         self.layouts = [
@@ -144,6 +150,19 @@ class Engine:
             config.tensor_parallel_size,
             config.executor_backend,
         )
+
+    def _speculator(self) -> Speculator | None:
+        """The scheduler's speculator (None: this engine does not speculate)."""
+        spec = self.config.speculative_config
+        if spec is None or not self.config.num_checkpoint_slots:
+            return None
+        max_batch = spec.disable_by_batch_size
+        if max_batch is None and self.executor.driver.device.type == "cpu":
+            # Past the rows a mat-vec multiplies for one read of the weights, a small CPU's
+            # step is compute-bound and drafts cost their rows in full
+            # (docs/speculative-decoding.md has the measurements).
+            max_batch = max(1, GEMV_ROWS // (spec.num_speculative_tokens + 1))
+        return Speculator(spec, max_batch)
 
     @property
     def num_kv_blocks(self) -> int:

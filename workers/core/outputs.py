@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hybridserve.workers.speculative.stats import SpeculationStats
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -29,10 +31,15 @@ class TokenLogprobs:
 @dataclass(frozen=True, slots=True)
 class Sample:
     """What the sampler drew from one logits row: one token per seed (a fork draws several),
-    with their logprobs when the row asked for them."""
+    with their logprobs when the row asked for them. After a verify step (speculative
+    decoding), the draft tokens that stood come first, in `accepted`: the request's new
+    tokens are `accepted` and then `token_ids[0]`."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    accepted: tuple[int, ...] = ()
+    accepted_logprobs: tuple[TokenLogprobs, ...] | None = None
+    num_draft_tokens: int = 0  # drafts this step verified (len(accepted) of them stood)
 
 
 @dataclass
@@ -54,6 +61,9 @@ class RequestOutput:
     parent_request_id: str | None = None
     # Offline LLM.generate with n > 1: every choice of the prompt, choice 0 first.
     choices: list[RequestOutput] = field(default_factory=list)
+    # Speculative decoding: this request's drafts proposed and accepted (None: it verified
+    # none).
+    speculation: SpeculationStats | None = None
 
     @property
     def finished(self) -> bool:

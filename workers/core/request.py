@@ -7,6 +7,11 @@
 Each step the scheduler gives a request some of [num_computed_tokens, num_tokens); when a step
 brings num_computed_tokens to num_tokens, the model's last logits sample one more token.
 Prefill, chunked prefill, decode and recompute after preemption are all this one rule.
+
+Speculative decoding adds guesses past the end for one step (`draft_token_ids`): the chunk
+computes them too, and the tokens that stand are appended. When one is rejected the cursor
+goes back to where the step started (the state with it, from a checkpoint), so the accepted
+tokens are simply known tokens not computed yet, and the same rule computes them again.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from hybridserve.workers.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from hybridserve.workers.cache.coordinator import InFlightReuse
     from hybridserve.workers.core.structured_output import Grammar
+    from hybridserve.workers.speculative.proposer import RequestSpeculation
 
 # Choice i > 0 of request "r" is request "r#i" inside the engine.
 CHOICE_SEPARATOR = "#"
@@ -79,6 +85,10 @@ class Request:
     # so far (the first prompt token has none), so prefix reuse is off for such requests.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Speculative decoding: the drafts this step verifies after the known tokens (empty
+    # between steps), and the request's proposer state and acceptance counts.
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: RequestSpeculation | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -160,4 +170,5 @@ class Request:
             ),
             index=self.index,
             parent_request_id=self.parent_id,
+            speculation=None if self.speculation is None else self.speculation.stats.copy(),
         )

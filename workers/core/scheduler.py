@@ -10,6 +10,14 @@ preempted: its blocks and slot are freed and it goes back to the front of the qu
 recomputed from scratch (its tokens so far become its new "prompt" work; sampling is seeded
 by position, so it produces the same tokens again).
 
+Speculative decoding (with a `Speculator`): a running request whose chunk reaches the end of
+its known tokens also verifies the proposer's drafts, if the budget and its pools allow (a
+request is never preempted for drafts). Its live state is checkpointed first; after the step
+the tokens that stand are appended, and when a draft was rejected (or the request ended
+inside the span) the state goes back to the checkpoint and the cursor to the chunk's start,
+so the live state always matches the cursor and nothing commits a state past a rejected
+token.
+
 Disaggregated requests stay here as states: a prefill engine's request that is handed off
 (its pages held for the transfer) and a decode engine's request whose state is still arriving
 sit in `transferring`, never scheduled and never preempted, until the scheduler's own
@@ -29,6 +37,7 @@ from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.core.outputs import FinishReason, Sample, TokenLogprobs
 from hybridserve.workers.core.request import Request, RequestStatus
 from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan, mix_seed
+from hybridserve.workers.speculative.proposer import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +45,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    num_draft_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the known tokens, so its last logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        request = self.request
+        known = self.num_new_tokens - self.num_draft_tokens
+        return request.num_computed_tokens + known == request.num_tokens
 
 
 @dataclass
@@ -54,8 +66,8 @@ class SchedulerOutput:
     # request, and summing the batch each time made a 256-request step quadratic.
     num_tokens: int = 0
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.scheduled.append(ScheduledRequest(request, num_new_tokens))
+    def add(self, request: Request, num_new_tokens: int, num_draft_tokens: int = 0) -> None:
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens, num_draft_tokens))
         self.num_tokens += num_new_tokens
 
     def drop(self, request: Request) -> None:
@@ -75,8 +87,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         fork_on_sample: bool = True,
+        speculator: Speculator | None = None,
     ) -> None:
         self.cache = cache
+        self.speculator = speculator
         # n > 1 choices fork where their first tokens are drawn; a prefill engine leaves that
         # to the decode engine it hands the request to (fork_received).
         self.fork_on_sample = fork_on_sample
@@ -114,6 +128,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self.chunk_size(request, budget, request.num_computed_tokens)
+            if num_new and self._schedule_drafts(request, num_new, budget, out):
+                continue
             if num_new and self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
         # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
@@ -140,6 +156,37 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
         return out
+
+    def _schedule_drafts(
+        self, request: Request, num_new: int, budget: int, out: SchedulerOutput
+    ) -> bool:
+        """Schedule `request`'s chunk with drafts to verify after it, when it reaches the end
+        of the known tokens and the speculator, the budget and the pools allow; False (nothing
+        held) otherwise."""
+        if (
+            self.speculator is None
+            or num_new != request.num_remaining_tokens
+            or request.num_output_tokens == 0  # its first token comes from the prompt
+        ):
+            return False
+        # The step yields the accepted drafts and one more token: no more than the request
+        # may still generate.
+        limit = min(
+            budget - num_new,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        drafts = self.speculator.drafts(request, limit, len(self.running))
+        if not (
+            drafts
+            and self.cache.can_checkpoint(request)
+            and self.cache.allocate(request, num_new + len(drafts)) is not None
+        ):
+            return False
+        self.cache.checkpoint(request)
+        request.draft_token_ids = drafts
+        out.add(request, num_new + len(drafts), len(drafts))
+        return True
 
     def _waits_for_prefix(self, request: Request, num_reusable: int) -> bool:
         """Whether `request` waits for a prompt in flight that shares at least one more block
@@ -169,18 +216,20 @@ class Scheduler:
     def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
         request = item.request
         start = request.num_computed_tokens
-        end = start + item.num_new_tokens
+        end = start + item.num_new_tokens - item.num_draft_tokens
         request_id = request.request_id
         scores = request.scores_prompt and start < request.num_prompt_tokens - 1
+        rows = _sampling_rows(request, request.draft_token_ids) if item.samples else [None]
         return ScheduledChunk(
             request_id=request_id,
-            token_ids=request.token_ids[start:end],
+            token_ids=request.token_ids[start:end] + request.draft_token_ids,
             start=start,
             block_ids=list(self.cache.block_table(request_id)),
             slot=self.cache.live_slot(request_id),
-            sampling=_sampling_row(request) if item.samples else None,
+            sampling=rows[0],
             prompt_logprobs=request.sampling_params.prompt_logprobs if scores else None,
             next_token_id=request.token_ids[end] if scores and end < request.num_tokens else None,
+            draft_rows=tuple(rows[1:]),  # type: ignore[arg-type]
         )
 
     def chunk_size(self, request: Request, budget: int, position: int) -> int:
@@ -228,6 +277,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.free(request)
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -244,6 +294,11 @@ class Scheduler:
         changed = []
         for item, sample in zip(out.scheduled, samples, strict=True):
             request = item.request
+            if item.num_draft_tokens:
+                assert sample is not None, "a verify chunk always samples"
+                self._settle_drafts(request, item, sample)
+                changed.append(request)
+                continue
             before = min(request.num_computed_tokens, request.num_prompt_tokens)
             request.num_computed_tokens += item.num_new_tokens
             after = min(request.num_computed_tokens, request.num_prompt_tokens)
@@ -268,6 +323,38 @@ class Scheduler:
             )
             changed.append(request)
         return changed
+
+    def _settle_drafts(self, request: Request, item: ScheduledRequest, sample: Sample) -> None:
+        """After a verify step: append the tokens that stand (up to the first that ends the
+        request). The live state stays where the step left it only if it is the state after
+        exactly the tokens that stand; otherwise the checkpoint goes back and the cursor to
+        the chunk's start, before anything (a turn-end commit) reads the state."""
+        num_drafts = item.num_draft_tokens
+        request.draft_token_ids = []
+        tokens = [*sample.accepted, sample.token_ids[0]]
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if sample.logprobs is not None:
+            logprobs = [*(sample.accepted_logprobs or ()), sample.logprobs[0]]
+        # The tokens kept: up to the first that ends the request.
+        kept = next(
+            (
+                i + 1
+                for i, token in enumerate(tokens)
+                if self._finish_reason_at(
+                    request, token, request.num_output_tokens + i + 1, request.num_tokens + i + 1
+                )
+            ),
+            len(tokens),
+        )
+        if len(sample.accepted) == num_drafts and kept >= num_drafts:
+            request.num_computed_tokens += item.num_new_tokens
+            self.cache.release_checkpoint(request)
+        else:
+            self.cache.rollback(request)
+        assert self.speculator is not None
+        self.speculator.record(request, num_drafts, len(sample.accepted))
+        for token, token_logprobs in zip(tokens[:kept], logprobs[:kept], strict=True):
+            self._append(request, token, token_logprobs)
 
     def _append(
         self,
@@ -315,13 +402,17 @@ class Scheduler:
         return choices
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        return self._finish_reason_at(request, token, request.num_output_tokens, request.num_tokens)
+
+    def _finish_reason_at(
+        self, request: Request, token: int, num_output_tokens: int, num_tokens: int
+    ) -> FinishReason | None:
+        """Why `request` ends with `token` as its last token, once it has `num_output_tokens`
+        output tokens of `num_tokens` in all (None: it goes on)."""
         params = request.sampling_params
-        if token in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+        if token in request.stop_token_ids and num_output_tokens > params.min_tokens:
             return "stop"
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -396,30 +487,42 @@ class Scheduler:
             request.error = error
 
 
-def _sampling_row(request: Request) -> SamplingRow:
+def _sampling_rows(request: Request, drafts: list[int]) -> list[SamplingRow]:
+    """The row that samples `request`'s next token, then with drafts the row after each of
+    them: position, seed, banned stop tokens, penalties and grammar mask as if the drafts
+    before it stood."""
     params = request.sampling_params
-    position = request.num_output_tokens
-    banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
-    # The first draw of an n > 1 request also draws its other choices' first tokens.
-    seeds = (mix_seed(request.sample_seed, position),)
-    if position == 0 and request.choice_seeds:
-        seeds += tuple(mix_seed(seed, position) for seed in request.choice_seeds)
+    first = request.num_output_tokens
     penalised = params.uses_penalties
-    return SamplingRow(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seeds=seeds,
-        min_p=params.min_p,
-        banned_token_ids=banned,
-        logit_bias=params.logit_bias,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        output_token_ids=tuple(request.output_token_ids) if penalised else (),
-        prompt_token_ids=(
-            tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
-        ),
-        allowed_token_bitmask=None if request.grammar is None else request.grammar.bitmask(),
-        num_logprobs=params.logprobs,
-    )
+    outputs = request.output_token_ids + drafts if penalised else []
+    prompt_ids = tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
+    masks: list[bytes | None] = [None] * (len(drafts) + 1)
+    if request.grammar is not None:
+        masks = list(request.grammar.bitmasks_along(drafts))
+    rows = []
+    for offset, mask in enumerate(masks):
+        position = first + offset
+        banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
+        # The first draw of an n > 1 request also draws its other choices' first tokens.
+        seeds = (mix_seed(request.sample_seed, position),)
+        if position == 0 and request.choice_seeds:
+            seeds += tuple(mix_seed(seed, position) for seed in request.choice_seeds)
+        rows.append(
+            SamplingRow(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seeds=seeds,
+                min_p=params.min_p,
+                banned_token_ids=banned,
+                logit_bias=params.logit_bias,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                repetition_penalty=params.repetition_penalty,
+                output_token_ids=tuple(outputs[: len(outputs) - len(drafts) + offset]),
+                prompt_token_ids=prompt_ids,
+                allowed_token_bitmask=mask,
+                num_logprobs=params.logprobs,
+            )
+        )
+    return rows

@@ -12,6 +12,9 @@ anything: first the cache ops, in order, then one forward pass over the chunks.
                     slot       its live state slot (the state after `start` tokens)
                     sampling   how to sample its next token, when the chunk reaches the end
                                of the known tokens (None: a prompt chunk that does not)
+                    draft_rows speculative decoding: the chunk ends with k draft tokens, and
+                               these are the rows after each of them (the row at the last
+                               known token tests the first draft, row j the draft after it)
                     prompt_logprobs  score the prompt tokens the chunk's rows predict
 
 Plans cross process boundaries (the `mp` executor broadcasts them to every rank), so they are
@@ -27,7 +30,7 @@ import msgpack
 
 from hybridserve.workers.cache.ops import CacheOp, op_from_wire, op_to_wire
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 _MASK64 = (1 << 64) - 1
 
 
@@ -82,10 +85,23 @@ class ScheduledChunk:
     # (the token after the chunk, None when the chunk ends the prompt).
     prompt_logprobs: int | None = None
     next_token_id: int | None = None
+    # Speculative decoding: the last len(draft_rows) tokens are drafts to verify; row j of
+    # draft_rows samples the position after draft j (its seed, mask and penalties as if the
+    # drafts before it stood).
+    draft_rows: tuple[SamplingRow, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - len(self.draft_rows) :]
+
+    @property
+    def sampling_rows(self) -> list[SamplingRow]:
+        """Every row this chunk samples, in order (none for a mid-prompt chunk)."""
+        return [] if self.sampling is None else [self.sampling, *self.draft_rows]
 
     @property
     def end(self) -> int:
@@ -120,6 +136,7 @@ class StepPlan:
                     None if c.sampling is None else _row_to_wire(c.sampling),
                     c.prompt_logprobs,
                     c.next_token_id,
+                    [_row_to_wire(row) for row in c.draft_rows],
                 ]
                 for c in self.chunks
             ],
@@ -140,6 +157,7 @@ class StepPlan:
                     sampling=None if row is None else _row_from_wire(row),
                     prompt_logprobs=prompt_logprobs,
                     next_token_id=next_token_id,
+                    draft_rows=tuple(_row_from_wire(r) for r in draft_rows),
                 )
                 for (
                     rid,
@@ -150,6 +168,7 @@ class StepPlan:
                     row,
                     prompt_logprobs,
                     next_token_id,
+                    draft_rows,
                 ) in data["chunks"]
             ]
             ops = [op_from_wire(op) for op in data["ops"]]

@@ -6,7 +6,7 @@ milliseconds with no per-schema compile step worth caching, computes a token mas
 microseconds on the CPU without touching torch, and pulls in no further dependency.
 
     engine.add_request ── GrammarCompiler.compile(spec) ──> Grammar (an LLMatcher)
-    scheduler._sampling_row ── grammar.bitmask() ──> SamplingRow.allowed_token_bitmask
+    scheduler._sampling_rows ── grammar.bitmask() ──> SamplingRow.allowed_token_bitmask
     sampler ── disallowed tokens -inf ──> token
     scheduler._append ── grammar.accept(token)
 
@@ -46,6 +46,22 @@ class Grammar:
         if not self.matcher.consume_token(token_id):
             # The sampler only draws allowed tokens; this is a bug, not a user error.
             raise RuntimeError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar would accept in a row (the
+        state does not change)."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def bitmasks_along(self, token_ids: list[int]) -> list[bytes]:
+        """The bitmask now and after each of `token_ids` (which it must accept), the state
+        unchanged afterwards: the masks of a verify step's rows."""
+        masks = [self.bitmask()]
+        for token_id in token_ids:
+            self.accept(token_id)
+            masks.append(self.bitmask())
+        if token_ids and not self.matcher.rollback(len(token_ids)):
+            raise RuntimeError(f"the grammar could not roll back: {self.matcher.get_error()}")
+        return masks
 
     def fork(self) -> Grammar:
         return Grammar(self.matcher.deep_copy())

@@ -19,7 +19,7 @@ import torch
 from hybridserve.kernels import build_cpu_operators
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.outputs import Sample, TokenLogprobs
-from hybridserve.workers.core.step_plan import ScheduledChunk, StepPlan
+from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from hybridserve.workers.executors.parallel import ParallelContext, local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
@@ -36,6 +36,7 @@ from hybridserve.workers.runner.sampler import (
     Sampler,
     prompt_logprobs,
 )
+from hybridserve.workers.speculative.verification import settle
 
 if TYPE_CHECKING:
     from hybridserve.workers.runner.paths.base import ForwardPath
@@ -160,7 +161,8 @@ class ModelRunner:
                 f"max_model_len={max_model_len} request needs {blocks_per_seq}: raise "
                 "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
             )
-        return PoolSizes(num_blocks, config.num_live_slots + config.num_snapshot_slots)
+        num_slots = config.num_live_slots + config.num_checkpoint_slots + config.num_snapshot_slots
+        return PoolSizes(num_blocks, num_slots)
 
     def allocate_pools(self, sizes: PoolSizes, host_counts: tuple[int, int] | None = None) -> None:
         """This rank's shard of the pools; `host_counts` fixes the host tier (else it follows
@@ -270,6 +272,8 @@ class ModelRunner:
         scored: dict[str, list[TokenLogprobs]] = {}
         sample_positions: list[int] = []
         sample_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        drafts: list[int | None] = []
         for position, (chunk, (first, last)) in enumerate(zip(items, row_ranges, strict=True)):
             if chunk.prompt_logprobs is not None:
                 targets = chunk.token_ids[1:]
@@ -279,17 +283,25 @@ class ModelRunner:
                     logits[first : last + 1], targets, chunk.prompt_logprobs
                 )
             if chunk.sampling is not None:
+                # A verify chunk samples its last rows, one per draft and one after them.
+                num_drafts = len(chunk.draft_rows)
                 sample_positions.append(position)
-                sample_rows.append(last)
+                sample_rows.extend(range(last - num_drafts, last + 1))
+                rows.extend(chunk.sampling_rows)
+                drafts.extend([*chunk.draft_token_ids, None])
         if sample_rows:
-            rows = [items[p].sampling for p in sample_positions]
             # Every row, as in a decode step, needs no gather (indexing with a Python list
             # costs ~0.2 ms a step).
             every_row = sample_rows == list(range(logits.shape[0]))
             picked = logits if every_row else logits[torch.tensor(sample_rows)]
-            drawn = self.sampler.sample(picked, rows)  # type: ignore[arg-type]
-            for position, sample in zip(sample_positions, drawn, strict=True):
-                samples[order[position]] = sample
+            verifies = len(rows) > len(sample_positions)
+            drawn = self.sampler.sample(picked, rows, drafts if verifies else None)
+            at = 0
+            for position in sample_positions:
+                chunk = items[position]
+                count = len(chunk.draft_rows) + 1
+                samples[order[position]] = settle(drawn[at : at + count], chunk.draft_token_ids)
+                at += count
         return RunnerOutput(samples=samples, prompt_logprobs=scored)
 
     def build_batch(
@@ -326,7 +338,9 @@ class ModelRunner:
             if chunk.prompt_logprobs is not None:
                 logits_indices.extend(range(token_offset, len(input_ids)))
             elif chunk.sampling is not None:
-                logits_indices.append(len(input_ids) - 1)
+                # The last row, and with drafts the row before each of them too.
+                end_row = len(input_ids)
+                logits_indices.extend(range(end_row - 1 - len(chunk.draft_rows), end_row))
             row_ranges.append((first_row, len(logits_indices) - 1))
 
         # Two columns at least: the compiled decode step's graph takes any width but 1 (the

@@ -12,6 +12,13 @@ is expanded into one row per seed before anything else, so every draw is an ordi
 
 Logprobs are those of the raw model distribution (the log-softmax of the logits before any
 processing), as vLLM returns by default.
+
+Speculative decoding: a row may test a draft token. A greedy row's token is its argmax as
+always; a sampled row accepts the draft with the probability its processed distribution p
+gives it (one uniform number), and otherwise draws from p without the draft, renormalised
+(a second one). Every proposer's draft is deterministic, so this is rejection sampling with a
+one-hot proposal: the token that comes out is distributed as p, whatever the draft. The row's
+token equals the draft exactly when it is accepted (speculative/verification.py).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.workers.core.outputs import Sample, TokenLogprobs
-from hybridserve.workers.core.step_plan import SamplingRow
+from hybridserve.workers.core.step_plan import SamplingRow, mix_seed
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 _MASK64 = (1 << 64) - 1
@@ -28,8 +35,14 @@ CANDIDATES = 256
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sample]:
-        """logits (R, V) float32, one row per SamplingRow -> one Sample per row."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: list[int | None] | None = None,
+    ) -> list[Sample]:
+        """logits (R, V) float32, one row per SamplingRow -> one Sample per row. `drafts`:
+        per row, the draft token it tests (None: none); only rows of one seed test one."""
         if all(is_plain_greedy(row) for row in rows):
             return greedy_samples(logits.argmax(dim=-1).tolist())
         counts = [len(row.seeds) for row in rows]
@@ -45,11 +58,30 @@ class Sampler:
         _apply_bias_and_masks(work, expanded)
         _apply_penalties(work, expanded)
         tokens = work.argmax(dim=-1)
-        random = [i for i, (row, _) in enumerate(draws) if row.temperature > 0.0]
+        # Per draw, the draft it tests: only rows of one seed test one (speculation starts
+        # after the first token, where n > 1 forks).
+        tested = [
+            draft
+            for draft, count in zip(drafts or [None] * len(rows), counts, strict=True)
+            for _ in range(count)
+        ]
+        random = [
+            i for i, (row, _) in enumerate(draws) if row.temperature > 0.0 and tested[i] is None
+        ]
         if random:
             picked = torch.tensor(random, device=work.device)
             drawn = _draw(work[picked], [draws[i] for i in random])
             tokens[picked] = drawn
+        verified = [
+            i for i, (row, _) in enumerate(draws) if row.temperature > 0.0 and tested[i] is not None
+        ]
+        if verified:
+            picked = torch.tensor(verified, device=work.device)
+            tokens[picked] = _verify(
+                work[picked],
+                [draws[i] for i in verified],
+                [tested[i] for i in verified],  # type: ignore[misc]
+            )
         token_list = tokens.tolist()
         logprobs = _logprobs(logits, tokens, expanded)
         samples = []
@@ -183,6 +215,39 @@ def _draw(logits: torch.Tensor, draws: list[tuple[SamplingRow, int]]) -> torch.T
     return tokens
 
 
+def _verify(
+    logits: torch.Tensor, draws: list[tuple[SamplingRow, int]], drafts: list[int]
+) -> torch.Tensor:
+    """Per row: its draft if a uniform number from the row's seed falls below the draft's
+    probability, else a draw (with a second uniform number) from the row's distribution
+    without the draft."""
+    rows = [row for row, _ in draws]
+    probs = _filtered_probs(logits, rows)
+    index = torch.tensor(drafts, device=probs.device)[:, None]
+    draft_probs = probs.gather(1, index)[:, 0].double().cpu()
+    accept = torch.tensor([_uniform(seed) for _, seed in draws], dtype=torch.float64)
+    accepted = accept < draft_probs
+    residual = probs.scatter(1, index, 0.0)
+    # A draft of probability 1 is always accepted: its residual (all zeros) is never drawn.
+    residual[accepted.to(residual.device)] = 1.0
+    second = torch.tensor([_uniform(mix_seed(seed, 1)) for _, seed in draws], dtype=torch.float64)
+    drawn = _inverse_cdf_probs(residual, second)
+    return torch.where(accepted.to(drawn.device), index[:, 0], drawn)
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's sampling distribution over the whole vocabulary: temperature, then top-k,
+    top-p and min-p (as `_draw` applies them)."""
+    temperature = torch.tensor([r.temperature for r in rows], device=logits.device)[:, None]
+    values = logits / temperature
+    filtered = [i for i, row in enumerate(rows) if _filters(row)]
+    if filtered:
+        sorted_values, order = values[filtered].sort(dim=-1, descending=True)
+        kept = _filter_sorted(sorted_values, [rows[i] for i in filtered], None)
+        values[filtered] = torch.full_like(kept, float("-inf")).scatter(1, order, kept)
+    return values.softmax(dim=-1)
+
+
 def _filters(row: SamplingRow) -> bool:
     return bool(row.top_k) or row.top_p < 1.0 or row.min_p > 0.0
 
@@ -251,9 +316,14 @@ def _filter_sorted(
 
 def _inverse_cdf(values: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the index drawn from softmax(values) by its uniform number."""
-    probs = values.softmax(dim=-1)
+    return _inverse_cdf_probs(values.softmax(dim=-1), uniforms)
+
+
+def _inverse_cdf_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the index drawn from `probs` (not necessarily normalised) by its uniform
+    number."""
     cdf = probs.double().cumsum(dim=-1)
-    thresholds = (uniforms.to(values.device) * cdf[:, -1])[:, None]
+    thresholds = (uniforms.to(probs.device) * cdf[:, -1])[:, None]
     # The first index whose cumulative probability passes the threshold: index i is drawn
     # for thresholds in [cdf[i-1], cdf[i]), so with probability p_i, never one of p 0.
     picked = torch.searchsorted(cdf, thresholds, right=True)[:, 0]

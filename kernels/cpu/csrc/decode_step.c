@@ -63,13 +63,19 @@ typedef struct {
     int64_t projected_size, mixed_size;
 } Model;
 
-/* The step's decode rows: each one token at position seq_len - 1. */
+/* The step's rows: each one token at position seq_len - 1. Rows come in lanes: the rows of
+   one lane are consecutive positions of one sequence (a decode row is a lane of its own; a
+   verify chunk of speculative decoding is one lane of several rows), so they share a state
+   slot and advance it one after the other, as that many decode steps would. Lanes are
+   independent and run in parallel. */
 typedef struct {
     int64_t rows;
     const int64_t *seq_lens; /* (rows,) context including the token */
     const int64_t *tables;   /* (rows, width) KV block ids */
     int64_t width;
     const int64_t *slots;    /* (rows,) state slots */
+    int64_t lanes;
+    const int64_t *lane_starts; /* (lanes + 1,) lane i is rows [lane_starts[i], [i + 1]) */
 } Step;
 
 /* For each of `rows` (<= 8) input rows r (x + r * x_stride): y[r * y_stride + j] = row
@@ -156,10 +162,11 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
    of mixed, and the window (the W - 1 kept inputs, oldest first) shifts in place. */
 static void conv_update(const Model *m, const Layer *l, const Step *step, int64_t from,
                         int64_t conv_dim) {
-    const int64_t W = l->conv_kernel, rows = step->rows;
+    const int64_t W = l->conv_kernel;
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < step->lanes; ++lane) {
         for (int64_t c = 0; c < conv_dim; ++c) {
+          for (int64_t r = step->lane_starts[lane]; r < step->lane_starts[lane + 1]; ++r) {
             float *kept = m->conv_pool + step->slots[r] * m->conv_slot_stride +
                           l->cache_index * m->conv_layer_stride + c * (W - 1);
             const float input = m->projected[r * m->projected_size + from + c];
@@ -171,6 +178,7 @@ static void conv_update(const Model *m, const Layer *l, const Step *step, int64_
             for (int64_t k = 0; k + 1 < W - 1; ++k) kept[k] = kept[k + 1];
             kept[W - 2] = input;
             m->mixed[r * m->mixed_size + c] = l->conv_silu ? silu(acc) : acc;
+          }
         }
     }
 }
@@ -186,8 +194,9 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
     conv_update(m, l, step, inner, conv_dim);
     const int64_t heads_per_group = l->heads / l->groups;
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < step->lanes; ++lane) {
         for (int64_t h = 0; h < l->heads; ++h) {
+          for (int64_t r = step->lane_starts[lane]; r < step->lane_starts[lane + 1]; ++r) {
             const float *convolved = m->mixed + r * m->mixed_size;
             const float *B = convolved + inner, *C = B + group_state;
             float dt = m->projected[r * m->projected_size + inner + conv_dim + h] + l->dt_bias[h];
@@ -199,6 +208,7 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
             ssm_update_head(states + h * P * N, P, N, convolved + h * P, dt, l->A[h], B + g * N,
                             C + g * N, l->D ? l->D[h] : 0.0f,
                             m->mixed + r * m->mixed_size + conv_dim + h * P);
+          }
         }
     }
     const int64_t group_size = inner / l->groups;
@@ -230,8 +240,9 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
        a row of mixed: q | k | v convolved (conv_dim) | y (value_dim) */
     conv_update(m, l, step, 0, conv_dim);
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < step->lanes; ++lane) {
         for (int64_t h = 0; h < Hv; ++h) {
+          for (int64_t r = step->lane_starts[lane]; r < step->lane_starts[lane + 1]; ++r) {
             const float *row = m->projected + r * m->projected_size;
             const float *convolved = m->mixed + r * m->mixed_size;
             const int64_t key = h / per_key;
@@ -245,6 +256,7 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
                            l->cache_index * m->state_layer_stride + h * Dk * Dv;
             gated_delta_advance(state, Dk, Dv, qn, kn, convolved + 2 * key_dim + h * Dv, g, beta,
                                 scratch, m->mixed + r * m->mixed_size + conv_dim + h * Dv);
+          }
         }
     }
     /* RMSNorm per value head, then the gate: y = norm(y) * weight * silu(z) */
@@ -318,18 +330,24 @@ static void attention(const Model *m, const Layer *l, const Step *step) {
     }
     float *key = m->kv_pool + l->cache_index * m->kv_layer_stride;
     float *value = key + m->kv_value_offset;
+    /* every row's K and V first: a row attends over the rows of its lane before it */
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < Hkv; ++g) {
-            /* each (row, KV head) stores the token's K and V, then attends over them */
             const int64_t position = step->seq_lens[r] - 1;
             const int64_t *table = step->tables + r * step->width;
-            const float *q = m->projected + r * m->projected_size;
-            const float *k = q + q_size, *v = k + Hkv * D;
+            const float *k = m->projected + r * m->projected_size + q_size, *v = k + Hkv * D;
             const int64_t at = table[position / bs] * m->kv_block_stride +
                                (g * bs + position % bs) * D;
             memcpy(key + at, k + g * D, sizeof(float) * D);
             memcpy(value + at, v + g * D, sizeof(float) * D);
+        }
+    }
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t *table = step->tables + r * step->width;
+            const float *q = m->projected + r * m->projected_size;
             float *out = m->mixed + r * m->mixed_size + g * group * D;
             attend_group(q + g * group * D, key, value, m->kv_block_stride, table,
                          step->seq_lens[r], g, group, D, bs, l->scale, out);

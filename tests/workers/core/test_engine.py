@@ -338,9 +338,9 @@ def test_each_sample_is_seeded_by_the_request_seed_and_the_output_position(monke
     rows: list[SamplingRow] = []
     sample = engine.executor.driver.sampler.sample
 
-    def recording_sample(logits, sampling_rows):
+    def recording_sample(logits, sampling_rows, drafts=None):
         rows.extend(sampling_rows)
-        return sample(logits, sampling_rows)
+        return sample(logits, sampling_rows, drafts)
 
     monkeypatch.setattr(engine.executor.driver.sampler, "sample", recording_sample)
     params = SamplingParams(

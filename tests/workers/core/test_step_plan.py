@@ -27,6 +27,18 @@ PLAN = StepPlan(
         ScheduledChunk("r0", [5], 40, [3, 7, 9], 1, SamplingRow(0.0, 1.0, None, (2**62 + 5,))),
         ScheduledChunk("r1", [1, 2, 3, 4], 0, [0], 0),
         ScheduledChunk(
+            "r3",
+            [6, 9, 9, 4],
+            30,
+            [1, 5],
+            3,
+            SamplingRow(0.0, 1.0, None, (1,)),
+            draft_rows=(
+                SamplingRow(0.0, 1.0, None, (2,), output_token_ids=(9,)),
+                SamplingRow(0.0, 1.0, None, (3,), output_token_ids=(9, 4)),
+            ),
+        ),
+        ScheduledChunk(
             "r2",
             [8, 8],
             16,
@@ -70,21 +82,22 @@ def test_a_plan_round_trips_through_msgpack_bytes():
 
 def test_the_wire_form_is_versioned_and_compact():
     data = msgpack.unpackb(PLAN.to_bytes(), raw=False)
-    assert data["v"] == PLAN_VERSION == 2
+    assert data["v"] == PLAN_VERSION == 3
     assert data["ops"][0] == ["copy_block", 3, 4, 12]
-    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, None, None]
+    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, None, None, []]
+    assert PLAN.chunks[2].draft_token_ids == [9, 4]
 
 
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        ({"v": 1, "chunks": [], "ops": []}, "step plan version 1 is not 2"),
-        ({"v": 2, "chunks": [["r", [1]]], "ops": []}, "malformed step plan"),
-        ({"v": 2, "chunks": [], "ops": [["format_disk", 1]]}, "malformed cache op"),
-        ({"v": 2, "chunks": [], "ops": [["copy_slot", 1, -2]]}, "non-negative integer"),
-        ({"v": 2, "ops": []}, "malformed step plan"),
+        ({"v": 2, "chunks": [], "ops": []}, "step plan version 2 is not 3"),
+        ({"v": 3, "chunks": [["r", [1]]], "ops": []}, "malformed step plan"),
+        ({"v": 3, "chunks": [], "ops": [["format_disk", 1]]}, "malformed cache op"),
+        ({"v": 3, "chunks": [], "ops": [["copy_slot", 1, -2]]}, "non-negative integer"),
+        ({"v": 3, "ops": []}, "malformed step plan"),
         (
-            {"v": 2, "chunks": [["r", [1], 0, [0], 0, [1.0, 1.0], None, None]], "ops": []},
+            {"v": 3, "chunks": [["r", [1], 0, [0], 0, [1.0, 1.0], None, None, []]], "ops": []},
             "malformed step plan",
         ),
     ],

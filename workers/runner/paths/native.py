@@ -1,8 +1,10 @@
 """The native path: small decode steps on the CPU as one C call (csrc/decode_step.c).
 
-It accepts a step of up to MAX_ROWS (8) decode rows (as many requests generating); the call
-returns their logits, the LM head included, and each row's argmax (the greedy token: a step
-of plain greedy rows needs no sampler). Every other step goes to the next path. The C kernel
+It accepts a step of up to MAX_ROWS (8) rows that continue from live slots: decode rows (as
+many requests generating) and the chunks of speculative decoding's verify steps, whose rows
+advance their request's state one after the other, exactly as that many decode steps would.
+The call returns every row's logits, the LM head included, and its argmax (the greedy token:
+a step of plain greedy rows needs no sampler). Every other step goes to the next path. The C kernel
 gets the model once, as a table of weight pointers and sizes built from the loaded modules,
 and the pools' addresses and strides; a step passes each row's token, context length, block
 table and state slot.
@@ -39,6 +41,7 @@ from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.paths.base import ForwardPath
 from hybridserve.workers.runner.sampler import greedy_samples, is_plain_greedy
+from hybridserve.workers.speculative.verification import settle
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class NativePath(ForwardPath):
         return None
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) <= MAX_ROWS and all(c.is_decode for c in chunks)
+        return sum(c.num_tokens for c in chunks) <= MAX_ROWS and all(_continues(c) for c in chunks)
 
     def run(self, chunks: list[ScheduledChunk]) -> RunnerOutput:
         """No batch tensors: the forward, the LM head and each row's argmax are one C call.
@@ -90,14 +93,26 @@ class NativePath(ForwardPath):
         Whether they all are is settled before the call: after it, the interpreter runs from
         caches that the step's weights have just flushed, several times slower, so it builds
         their samples and nothing else."""
+        ranges = []  # each chunk's (first, last) row
+        for chunk in chunks:
+            first = ranges[-1][1] + 1 if ranges else 0
+            ranges.append((first, first + chunk.num_tokens - 1))
         if all(
-            c.sampling is not None and c.prompt_logprobs is None and is_plain_greedy(c.sampling)
+            c.sampling is not None and all(is_plain_greedy(row) for row in c.sampling_rows)
             for c in chunks
         ):
-            return RunnerOutput(greedy_samples(self.step(chunks).greedy_token_ids))
+            tokens = self.step(chunks).greedy_token_ids
+            return RunnerOutput(
+                [
+                    settle(
+                        greedy_samples(tokens[last - len(c.draft_rows) : last + 1]),
+                        c.draft_token_ids,
+                    )
+                    for c, (_, last) in zip(chunks, ranges, strict=True)
+                ]
+            )
         logits = self.step(chunks).logits
-        rows = range(len(chunks))
-        return self.runner.sample(chunks, list(rows), logits, [(row, row) for row in rows])
+        return self.runner.sample(chunks, list(range(len(chunks))), logits, ranges)
 
     def _describe(self, model: HybridForCausalLM, caches: StateCaches) -> None:
         """The model's and the pools' table for the C side; raises `Unsupported` (with the
@@ -139,7 +154,16 @@ class NativePath(ForwardPath):
         # longest table.
         self._tokens, self._seq_lens, self._slots = (np.zeros(MAX_ROWS, np.int64) for _ in range(3))
         self._tables = np.zeros((MAX_ROWS, 0), dtype=np.int64)
-        self._step = Step(0, self._seq_lens.ctypes.data, None, 0, self._slots.ctypes.data)
+        self._lane_starts = np.zeros(MAX_ROWS + 1, np.int64)
+        self._step = Step(
+            0,
+            self._seq_lens.ctypes.data,
+            None,
+            0,
+            self._slots.ctypes.data,
+            0,
+            self._lane_starts.ctypes.data,
+        )
         self._step_pointer = ctypes.pointer(self._step)
         self._tokens_address = self._tokens.ctypes.data
         self._greedy = np.zeros(MAX_ROWS, np.int64)
@@ -147,23 +171,31 @@ class NativePath(ForwardPath):
         self.num_steps = self.num_rows = 0  # steps run here, and their decode rows
 
     def step(self, chunks: list[ScheduledChunk]) -> NativeStep:
-        """The logits of up to MAX_ROWS decode rows, in order, and their greedy tokens; their
-        states and KV slots are written as the model's step writes them."""
-        rows = len(chunks)
-        if not (1 <= rows <= MAX_ROWS and all(c.is_decode for c in chunks)):
+        """The logits of every token of `chunks` (up to MAX_ROWS in all, each chunk continuing
+        from its live slot), in order, and their greedy tokens; their states and KV slots are
+        written as that many decode steps would write them."""
+        rows = sum(c.num_tokens for c in chunks)
+        if not (1 <= rows <= MAX_ROWS and all(_continues(c) for c in chunks)):
             # The scratch holds MAX_ROWS rows: more would write past it.
-            raise ValueError(f"a native step takes 1 to {MAX_ROWS} decode rows, not {rows}")
+            raise ValueError(
+                f"a native step takes 1 to {MAX_ROWS} rows continuing from live slots, not {rows}"
+            )
         width = max(len(c.block_ids) for c in chunks)
         if width > self._tables.shape[1]:
             self._tables = np.zeros((MAX_ROWS, 2 * width), dtype=np.int64)
             self._step.tables, self._step.width = self._tables.ctypes.data, 2 * width
-        for r, chunk in enumerate(chunks):
-            # A table's entries past its own length are stale: the kernel reads a row's
-            # blocks up to its context only.
-            self._tables[r, : len(chunk.block_ids)] = chunk.block_ids
-            self._seq_lens[r], self._slots[r] = chunk.end, chunk.slot
-            self._tokens[r] = chunk.token_ids[0]
-        self._step.rows = rows
+        r = 0
+        for lane, chunk in enumerate(chunks):
+            self._lane_starts[lane] = r
+            for offset, token in enumerate(chunk.token_ids):
+                # A table's entries past its own length are stale: the kernel reads a row's
+                # blocks up to its context only.
+                self._tables[r, : len(chunk.block_ids)] = chunk.block_ids
+                self._seq_lens[r], self._slots[r] = chunk.start + offset + 1, chunk.slot
+                self._tokens[r] = token
+                r += 1
+        self._lane_starts[len(chunks)] = rows
+        self._step.rows, self._step.lanes = rows, len(chunks)
         logits = torch.empty((rows, self.vocab_size), dtype=torch.float32)
         self.num_steps += 1
         self.num_rows += rows
@@ -271,6 +303,12 @@ class NativePath(ForwardPath):
         else:
             raise Unsupported(f"{type(op).__name__} layers")
         return layer
+
+
+def _continues(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk continues from its live slot and needs no prompt scores: a decode
+    row, a verify chunk (its drafts), or a short chunk after reuse."""
+    return chunk.start > 0 and chunk.prompt_logprobs is None
 
 
 def _decode_step_kernel() -> ctypes._CFuncPtr | None:
