@@ -18,6 +18,9 @@ EOS ignored, 256 output tokens each, no prefix reuse), on three workloads:
 - random: the plain random checkpoint on random prompts: nothing repeats, so lookup rarely
   proposes; what is left is what speculation costs when it cannot help (a request whose
   drafts keep failing pauses them).
+- random, self-draft (one request): the random workload with the target as its own draft
+  model: every draft stands, and the draft costs as much as the target, so this is the
+  acceptance ceiling, not a speed-up.
 
 The two engines alternate run by run and each keeps its best of `--repeats`; ratios are
 speculative over plain. The JSON records acceptance (accepted / proposed draft tokens and
@@ -112,15 +115,19 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]], dic
     return elapsed, [o.token_ids for o in outputs], counts
 
 
-def compare(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """Plain and speculative engines alternating over the same prompts, best of repeats."""
+def compare(
+    folder: Path, prompts: list[list[int]], args: argparse.Namespace, draft: Path | None = None
+) -> dict[str, Any]:
+    """Plain and speculative engines alternating over the same prompts, best of repeats
+    (`draft`: speculate with that draft model instead of n-gram lookup)."""
     options = {
         "max_num_seqs": len(prompts),
         "max_model_len": FILE_LEN + OUTPUT_TOKENS + 16,
         "enable_prefix_caching": False,
     }
-    speculative = {
-        "method": "ngram",
+    speculative: dict[str, Any] = {
+        "method": "ngram" if draft is None else "draft_model",
+        "model": None if draft is None else str(draft),
         "num_speculative_tokens": args.num_speculative_tokens,
         "disable_by_batch_size": args.disable_by_batch_size,
     }
@@ -152,6 +159,15 @@ def compare(folder: Path, prompts: list[list[int]], args: argparse.Namespace) ->
         "verify_steps": counts["drafts"],
         "same_tokens": tokens["plain"] == tokens["speculative"],
     }
+
+
+def report(row: dict[str, Any], concurrency: int) -> None:
+    print(
+        f"{row['workload']:26s} x{concurrency}: plain {row['plain_tok_s']:7.1f} tok/s, "
+        f"speculative {row['speculative_tok_s']:7.1f} tok/s, {row['ratio']:.2f}x, "
+        f"acceptance {row['acceptance_rate']:.2f}, "
+        f"{row['tokens_per_verify_step']:.2f} tokens/verify, same tokens: {row['same_tokens']}"
+    )
 
 
 def main() -> None:
@@ -187,13 +203,15 @@ def main() -> None:
             for workload, (folder, prompts) in workloads.items():
                 row = {"workload": workload} | compare(folder, prompts, args)
                 rows.append(row)
-                print(
-                    f"{workload:26s} x{concurrency}: plain {row['plain_tok_s']:7.1f} tok/s, "
-                    f"speculative {row['speculative_tok_s']:7.1f} tok/s, "
-                    f"{row['ratio']:.2f}x, acceptance {row['acceptance_rate']:.2f}, "
-                    f"{row['tokens_per_verify_step']:.2f} tokens/verify, "
-                    f"same tokens: {row['same_tokens']}"
+                report(row, concurrency)
+            if concurrency == 1:
+                # The target as its own draft: every draft stands, at the price of running
+                # the model k more times a step: what verification alone allows.
+                row = {"workload": "random, self-draft"} | compare(
+                    plain_folder, random_prompts(1, 1), args, draft=plain_folder
                 )
+                rows.append(row)
+                report(row, concurrency)
     write_result(
         output_path(args),
         {

@@ -38,7 +38,8 @@ from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.precision import resolve_precision
-from hybridserve.workers.speculative.proposer import Speculator
+from hybridserve.workers.speculative.draft_model import DraftModelProposer
+from hybridserve.workers.speculative.proposer import NgramProposer, Proposer, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +158,20 @@ class Engine:
         if spec is None or not self.config.num_checkpoint_slots:
             return None
         max_batch = spec.disable_by_batch_size
-        if max_batch is None and self.executor.driver.device.type == "cpu":
+        device = self.executor.driver.device
+        if max_batch is None and device.type == "cpu":
             # Past the rows a mat-vec multiplies for one read of the weights, a small CPU's
             # step is compute-bound and drafts cost their rows in full
             # (docs/speculative-decoding.md has the measurements).
             max_batch = max(1, GEMV_ROWS // (spec.num_speculative_tokens + 1))
-        return Speculator(spec, max_batch)
+        proposer: Proposer
+        if spec.method == "draft_model":
+            proposer = DraftModelProposer(
+                self.config, self.max_model_len, self.model_config.vocab_size, device.type
+            )
+        else:
+            proposer = NgramProposer(spec)
+        return Speculator(spec, proposer, max_batch)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -443,6 +452,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the engine's other ranks (nothing to do at tensor_parallel_size 1)."""
         self.executor.shutdown()
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.proposer.shutdown()
 
     # ---- disaggregation ---------------------------------------------------------------------
 

@@ -128,10 +128,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self.chunk_size(request, budget, request.num_computed_tokens)
-            if num_new and self._schedule_drafts(request, num_new, budget, out):
-                continue
             if num_new and self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
+        if self.speculator is not None:
+            self._add_drafts(out)
         # 2. Waiting requests in arrival order, unless this step already had to preempt (memory
         #    is short). Each first looks up its reusable prefix and starts after it, or waits
         #    while a running prompt is about to commit a deeper one on its path.
@@ -157,36 +157,48 @@ class Scheduler:
         out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
         return out
 
-    def _schedule_drafts(
-        self, request: Request, num_new: int, budget: int, out: SchedulerOutput
-    ) -> bool:
-        """Schedule `request`'s chunk with drafts to verify after it, when it reaches the end
-        of the known tokens and the speculator, the budget and the pools allow; False (nothing
-        held) otherwise."""
-        if (
-            self.speculator is None
-            or num_new != request.num_remaining_tokens
-            or request.num_output_tokens == 0  # its first token comes from the prompt
-        ):
-            return False
-        # The step yields the accepted drafts and one more token: no more than the request
-        # may still generate.
-        limit = min(
-            budget - num_new,
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Drafts to verify after the chunks of this step that reach the end of their known
+        tokens, in one proposal for all of them, as far as the budget and the pools allow (a
+        request is never preempted for drafts)."""
+        assert self.speculator is not None
+        budget = self.max_num_batched_tokens - out.num_tokens
+        batch: list[tuple[int, int]] = []  # (index in out.scheduled, at most this many)
+        for index, item in enumerate(out.scheduled):
+            request = item.request
+            if not item.samples or request.num_output_tokens == 0:
+                continue  # its first token comes from the prompt
+            # The step yields the accepted drafts and one more token: no more than the
+            # request may still generate.
+            limit = min(
+                budget,
+                self.speculator.config.num_speculative_tokens,
+                request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if limit > 0:
+                batch.append((index, limit))
+                budget -= limit
+        if not batch:
+            return
+        proposals = self.speculator.drafts(
+            [(out.scheduled[i].request, limit) for i, limit in batch], len(self.running)
         )
-        drafts = self.speculator.drafts(request, limit, len(self.running))
-        if not (
-            drafts
-            and self.cache.can_checkpoint(request)
-            and self.cache.allocate(request, num_new + len(drafts)) is not None
-        ):
-            return False
-        self.cache.checkpoint(request)
-        request.draft_token_ids = drafts
-        out.add(request, num_new + len(drafts), len(drafts))
-        return True
+        for (index, _), drafts in zip(batch, proposals, strict=True):
+            item = out.scheduled[index]
+            request = item.request
+            total = item.num_new_tokens + len(drafts)
+            if not (
+                drafts
+                and self.cache.can_checkpoint(request)
+                and self.cache.allocate(request, total) is not None
+            ):
+                self.speculator.dropped(request)
+                continue
+            self.cache.checkpoint(request)
+            request.draft_token_ids = drafts
+            out.scheduled[index] = ScheduledRequest(request, total, len(drafts))
+            out.num_tokens += len(drafts)
 
     def _waits_for_prefix(self, request: Request, num_reusable: int) -> bool:
         """Whether `request` waits for a prompt in flight that shares at least one more block
@@ -278,6 +290,8 @@ class Scheduler:
         self.running.remove(request)
         self.cache.free(request)
         request.draft_token_ids = []
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -427,6 +441,8 @@ class Scheduler:
         if reason in ("stop", "length"):
             self.cache.commit_turn_end(request)
         self.cache.free(request)
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 

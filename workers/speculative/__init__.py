@@ -1,8 +1,9 @@
 """Speculative decoding: proposers guess a request's next tokens, one target step verifies them.
 
     config.py        SpeculativeConfig (vLLM's `speculative_config`)
-    proposer.py      the Proposer interface and the one that a config builds
+    proposer.py      the Proposer interface, the n-gram proposer and the Speculator (policy)
     ngram.py         prompt lookup over the request's own tokens
+    draft_model.py   a smaller checkpoint with pools of its own, guessing greedily
     verification.py  a verified span's rows -> the tokens that stand (greedy and rejection)
     stats.py         drafts proposed and accepted, per request and per engine
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_SPECULATIVE_TOKENS = 16
 
 SpeculativeMethod = Literal["ngram", "draft_model", "mtp"]
-IMPLEMENTED_METHODS: tuple[SpeculativeMethod, ...] = ("ngram",)
+IMPLEMENTED_METHODS: tuple[SpeculativeMethod, ...] = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(BaseModel):
@@ -32,7 +32,11 @@ class SpeculativeConfig(BaseModel):
         description="draft tokens verified per request per step (fewer when the proposer "
         "has fewer, or the request's remaining tokens or the step's budget are fewer)",
     )
-    model: str | None = Field(None, description="draft_model: the draft checkpoint's folder")
+    model: str | None = Field(
+        None,
+        description="draft_model: the draft checkpoint ('tiny' or an HF-format folder; the "
+        "target's vocabulary, at least max_model_len positions)",
+    )
     prompt_lookup_min: int = Field(
         2, ge=1, description="ngram: the shortest suffix of the sequence that is looked up"
     )
@@ -68,6 +72,11 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(
                 f"speculative_config: method {self.method!r} is not available yet; this "
                 f"release speculates with {', '.join(IMPLEMENTED_METHODS)}"
+            )
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError(
+                "speculative_config: method 'draft_model' needs model, the draft checkpoint "
+                "('tiny' or an HF-format folder)"
             )
         if self.model is not None and self.method != "draft_model":
             raise ValueError(

@@ -25,20 +25,35 @@ FIRST_PAUSE, MAX_PAUSE = 8, 256
 
 class Proposer(ABC):
     @abstractmethod
-    def propose(self, request: Request, num_tokens: int) -> list[int]:
-        """Up to `num_tokens` guesses of the tokens after `request.token_ids`."""
+    def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
+        """Per (request, count): up to `count` (at least 1) guesses of the tokens after
+        `request.token_ids`, for one step."""
+
+    def verified(self, request: Request, num_accepted: int) -> None:  # noqa: B027
+        """How many of the request's last proposal stood (its other tokens were rejected)."""
+
+    def release(self, request: Request) -> None:  # noqa: B027
+        """The request ended or was preempted: drop what is kept for it."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """The engine stops."""
 
 
 class NgramProposer(Proposer):
+    """Prompt lookup (ngram.py); each request keeps its index in `request.speculation`."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, request: Request, num_tokens: int) -> list[int]:
-        state = request.speculation
-        assert state is not None
-        if state.ngrams is None:
-            state.ngrams = NgramIndex(self.min_n, self.max_n)
-        return state.ngrams.propose(request.token_ids, num_tokens)
+    def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
+        drafts = []
+        for request, count in batch:
+            state = request.speculation
+            assert state is not None
+            if state.ngrams is None:
+                state.ngrams = NgramIndex(self.min_n, self.max_n)
+            drafts.append(state.ngrams.propose(request.token_ids, count))
+        return drafts
 
 
 @dataclass(slots=True)
@@ -54,38 +69,57 @@ class RequestSpeculation:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_batch_size: int | None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_batch_size: int | None
+    ) -> None:
         """`max_batch_size`: no drafts while more requests run (None: no limit)."""
         self.config = config
+        self.proposer = proposer
         self.max_batch_size = max_batch_size
-        self.proposer = NgramProposer(config)
         self.stats = SpeculationStats()  # the engine's, since start
         self.num_paused = 0  # pauses started, since start
 
-    def drafts(self, request: Request, limit: int, batch_size: int) -> list[int]:
-        """The drafts `request` verifies this step: at most `limit` (what its budget, output
-        and length allow) and num_speculative_tokens; none while more than max_batch_size
-        requests run (`batch_size`)."""
+    def drafts(self, batch: list[tuple[Request, int]], batch_size: int) -> list[list[int]]:
+        """Per (request, limit): the drafts it verifies this step, at most `limit` (what its
+        budget, output and length allow) and num_speculative_tokens; none while more than
+        max_batch_size requests run (`batch_size`) or while the request pauses."""
+        drafts: list[list[int]] = [[] for _ in batch]
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
-            return []
-        state = request.speculation
-        if state is None:
-            state = request.speculation = RequestSpeculation()
-        if state.paused_steps:
-            state.paused_steps -= 1
-            return []
-        count = min(limit, self.config.num_speculative_tokens)
-        if count <= 0:
-            return []
-        drafts = self.proposer.propose(request, count)
-        if drafts and request.grammar is not None:
-            drafts = drafts[: request.grammar.valid_prefix(drafts)]
+            return drafts
+        asked: list[int] = []
+        for index, (request, limit) in enumerate(batch):
+            state = request.speculation
+            if state is None:
+                state = request.speculation = RequestSpeculation()
+            if state.paused_steps:
+                state.paused_steps -= 1
+            elif min(limit, self.config.num_speculative_tokens) > 0:
+                asked.append(index)
+        if not asked:
+            return drafts
+        counts = [min(batch[i][1], self.config.num_speculative_tokens) for i in asked]
+        proposed = self.proposer.propose(
+            [(batch[i][0], count) for i, count in zip(asked, counts, strict=True)]
+        )
+        for index, guesses in zip(asked, proposed, strict=True):
+            grammar = batch[index][0].grammar
+            if guesses and grammar is not None:
+                guesses = guesses[: grammar.valid_prefix(guesses)]
+            drafts[index] = guesses
         return drafts
+
+    def dropped(self, request: Request) -> None:
+        """The request's drafts were proposed but will not be verified (no room)."""
+        self.proposer.verified(request, 0)
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)
 
     def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """A verify step's outcome; pauses the request when its acceptance is too low."""
         state = request.speculation
         assert state is not None
+        self.proposer.verified(request, num_accepted)
         state.stats.record(num_draft_tokens, num_accepted)
         self.stats.record(num_draft_tokens, num_accepted)
         state.window_drafts += num_draft_tokens

@@ -48,13 +48,27 @@ class OracleProposer(Proposer):
         self.references, self.wrong_at = references, wrong_at
         self.spans: dict[str, list[int]] = {}  # request id -> the length of each proposal
 
-    def propose(self, request: Request, num_tokens: int) -> list[int]:
-        reference = self.references.get(tuple(request.prompt_token_ids), [])
-        drafts = reference[request.num_output_tokens : request.num_output_tokens + num_tokens]
-        if self.wrong_at < len(drafts):
-            drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 100
-        self.spans.setdefault(request.request_id, []).append(len(drafts))
-        return drafts
+    def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
+        proposals = []
+        for request, num_tokens in batch:
+            reference = self.references.get(tuple(request.prompt_token_ids), [])
+            start = request.num_output_tokens
+            drafts = reference[start : start + num_tokens]
+            if self.wrong_at < len(drafts):
+                drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 100
+            self.spans.setdefault(request.request_id, []).append(len(drafts))
+            proposals.append(drafts)
+        return proposals
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft(tmp_path_factory) -> str:
+    """A random checkpoint of the test vocabulary that no family's target agrees with."""
+    folder = tmp_path_factory.mktemp("draft")
+    make_hf_model(
+        "nemotron_h", seed=9, num_hidden_layers=2, hybrid_override_pattern="M*"
+    ).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -86,6 +100,48 @@ def test_greedy_tokens_equal_without_speculation_with_ngram_drafts(family, batch
     ]
     assert [o.token_ids for o in outputs] == reference
     assert sum(o.speculation.num_draft_tokens for o in outputs) > 0  # drafts were verified
+
+
+@pytest.mark.parametrize("draft", ["self", "unrelated"])
+def test_greedy_tokens_equal_without_speculation_with_a_draft_model(family, draft, unrelated_draft):
+    """The target as its own draft: nearly every draft stands. An unrelated random draft:
+    nearly none does, so every step rolls back the draft's state and the target's."""
+    model, prompts, reference = family
+    spec = {
+        "method": "draft_model",
+        "model": model if draft == "self" else unrelated_draft,
+        "num_speculative_tokens": K,
+        "disable_below_acceptance": 0.0,
+        "disable_by_batch_size": 64,
+    }
+    with LLM(model, speculative_config=spec, **ENGINE) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == reference
+        stats = llm.engine.scheduler.speculator.stats
+        rate = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert rate > 0.9 if draft == "self" else rate < 0.2, rate
+        assert_pools_at_baseline(llm.engine)
+        draft_cache = llm.engine.scheduler.speculator.proposer.cache
+        draft_cache.check_integrity()
+        assert draft_cache.num_free_slots == ENGINE["max_num_seqs"]
+
+
+def test_the_draft_model_s_state_rolls_back_with_rejected_drafts(tmp_path):
+    """The target penalises repetition, its own draft does not: the draft's guesses fail
+    now and then, its state goes back to its checkpoint, and it guesses right again from
+    there (a draft whose state kept a rejected token stays wrong: about 0.12 here, against
+    0.37)."""
+    make_hf_model("nemotron_h").save_pretrained(tmp_path)
+    prompts = random_prompts([23, 41, 9], seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    with LLM(str(tmp_path), **ENGINE) as plain:
+        reference = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": K}
+    spec |= {"disable_below_acceptance": 0.0, "disable_by_batch_size": 64}
+    with LLM(str(tmp_path), speculative_config=spec, **ENGINE) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, False)] == reference
+        stats = llm.engine.scheduler.speculator.stats
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.3
 
 
 # Every offset on the native path (its rows advance the state one after the other); the
@@ -267,7 +323,8 @@ def test_requests_whose_drafts_fail_pause_and_large_batches_do_not_speculate():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"method": "draft_model", "model": "tiny"}, "method 'draft_model' is not available"),
+        ({"method": "mtp"}, "method 'mtp' is not available"),
+        ({"method": "draft_model"}, "method 'draft_model' needs model"),
         ({"num_speculative_tokens": 17}, "less than or equal to 16"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ({"model": "tiny"}, "model is the draft_model method's checkpoint"),
