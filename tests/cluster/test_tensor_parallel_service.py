@@ -108,6 +108,28 @@ def test_completions_and_chat_equal_an_offline_tp1_run(tp_service, offline):
     assert_at_baseline(tp_service)
 
 
+def test_a_stop_string_ends_a_speculating_stream_where_the_text_has_it(tp_service, offline):
+    """A verify step may bring several tokens past the stop string: the text still ends
+    right before it, as the offline engine's text does."""
+    full = offline.tokenizer.decode(
+        offline_tokens(offline, PROMPT, max_tokens=24, temperature=0, ignore_eos=True)
+    )
+    stop = full[10:13]
+    result = client(tp_service).completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (
+        full[: full.index(stop)],
+        "stop",
+    )
+    assert_at_baseline(tp_service)
+
+
 def test_a_rank_killed_mid_stream_ends_its_engine_s_streams_and_the_rest_keep_serving(
     tp_service, offline
 ):

@@ -38,7 +38,7 @@ from hybridserve.workers.models.loader import open_checkpoint
 from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.precision import resolve_precision
-from hybridserve.workers.speculative.draft_model import DraftModelProposer
+from hybridserve.workers.speculative.draft_model import DraftModelProposer, check_draft_model
 from hybridserve.workers.speculative.proposer import NgramProposer, Proposer, Speculator
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class Engine:
                 f"max_model_len={self.max_model_len} is longer than the model's "
                 f"max_position_embeddings={model_max}"
             )
+        spec = config.speculative_config
+        if spec is not None and spec.model is not None:
+            check_draft_model(spec.model, self.model_config.vocab_size, self.max_model_len)
         self.executor = create_executor(config, checkpoint, self.max_model_len)
         sizes = self.executor.sizes
         # Why the engine stopped (a rank died or hung); it then refuses new requests.
@@ -166,9 +169,7 @@ class Engine:
             max_batch = max(1, GEMV_ROWS // (spec.num_speculative_tokens + 1))
         proposer: Proposer
         if spec.method == "draft_model":
-            proposer = DraftModelProposer(
-                self.config, self.max_model_len, self.model_config.vocab_size, device.type
-            )
+            proposer = DraftModelProposer(self.config, self.max_model_len, device.type)
         else:
             proposer = NgramProposer(spec)
         return Speculator(spec, proposer, max_batch)

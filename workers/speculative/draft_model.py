@@ -26,32 +26,36 @@ from hybridserve.workers.core.request import Request
 from hybridserve.workers.core.sampling_params import SamplingParams
 from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from hybridserve.workers.executors.executor import UniExecutor
-from hybridserve.workers.models.loader import open_checkpoint
+from hybridserve.workers.models.loader import open_checkpoint, read_model_config
 from hybridserve.workers.speculative.proposer import Proposer
 
 GREEDY = SamplingRow(0.0, 1.0, None, (0,))
 
 
+def check_draft_model(model: str, vocab_size: int, max_model_len: int) -> None:
+    """Refuse a draft checkpoint the target cannot use (read from its config.json only, so
+    an engine refuses it before it starts anything)."""
+    draft = read_model_config(model)
+    if draft.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {model} has a vocabulary of "
+            f"{draft.vocab_size} tokens, the target {vocab_size}: a draft must share the "
+            "target's vocabulary"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model {model} takes "
+            f"{draft.max_position_embeddings} positions, fewer than the target's "
+            f"max_model_len={max_model_len}"
+        )
+
+
 class DraftModelProposer(Proposer):
-    def __init__(
-        self, target: EngineConfig, max_model_len: int, vocab_size: int, device: str
-    ) -> None:
+    def __init__(self, target: EngineConfig, max_model_len: int, device: str) -> None:
+        """The draft of `target` (checked by `check_draft_model`), on `device`."""
         spec = target.speculative_config
         assert spec is not None and spec.model is not None
         checkpoint = open_checkpoint(spec.model)
-        draft = checkpoint.config
-        if draft.vocab_size != vocab_size:
-            raise ValueError(
-                f"speculative_config: the draft model {spec.model} has a vocabulary of "
-                f"{draft.vocab_size} tokens, the target {vocab_size}: a draft must share the "
-                "target's vocabulary"
-            )
-        if draft.max_position_embeddings < max_model_len:
-            raise ValueError(
-                f"speculative_config: the draft model {spec.model} takes "
-                f"{draft.max_position_embeddings} positions, fewer than the target's "
-                f"max_model_len={max_model_len}"
-            )
         seqs = target.max_num_seqs
         blocks_per_seq = -(-max_model_len // target.block_size)
         config = EngineConfig(

@@ -21,15 +21,34 @@ SMALL = {
 }
 
 
+# Speculative decoding: a checkpoint slot per running request beside the live ones.
+SPECULATIVE = {
+    "speculative_config": {
+        "prompt_lookup_min": 1,
+        "disable_below_acceptance": 0.0,
+        "disable_by_batch_size": 8,
+    },
+    "num_state_slots": 6,
+}
+
+
 @pytest.mark.parametrize(
-    ("tp", "kv_cache_dtype"), [(1, "auto"), (2, "auto"), (1, "fp8")], ids=["tp1", "tp2", "fp8_kv"]
+    ("tp", "options"),
+    [
+        (1, {}),
+        (2, {}),
+        (1, {"kv_cache_dtype": "fp8"}),
+        (1, SPECULATIVE),
+    ],
+    ids=["tp1", "tp2", "fp8_kv", "speculative"],
 )
-def test_evicted_prefix_comes_back_from_the_host_tier(tp, kv_cache_dtype):
+def test_evicted_prefix_comes_back_from_the_host_tier(tp, options):
     """At TP 2 every rank offloads and loads its own shard, on the plan's cache ops; an FP8
-    KV cache's host blocks hold its bytes."""
+    KV cache's host blocks hold its bytes; with speculative decoding the rolled-back states
+    the host tier keeps are exact."""
     first, *others = random_prompts([200, 180, 190, 170], seed=3, vocab=256)
     extended = [*first, 11, 12, 13]
-    small = SMALL | {"kv_cache_dtype": kv_cache_dtype}
+    small = SMALL | options
     with LLM("tiny", host_cache_bytes=64 << 20, tensor_parallel_size=tp, **small) as with_host:
         memory = with_host.engine.executor.driver.memory
         assert memory.host is not None and memory.num_host_blocks > 0
@@ -42,10 +61,12 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tp, kv_cache_dtype):
         (out,) = with_host.generate([extended], GREEDY)
         assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
         assert memory.host.kv is not None and memory.host.kv.dtype == memory.device.kv.dtype
-        without = LLM("tiny", enable_prefix_caching=False, **small)
+        without = LLM("tiny", enable_prefix_caching=False, **SMALL)
         assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
         assert_pools_at_baseline(with_host.engine)
         assert cache.attention.host.ids.num_free == cache.attention.host.ids.size
+        if "speculative_config" in options:
+            assert with_host.engine.scheduler.speculator.stats.num_draft_tokens > 0
 
 
 def test_without_a_host_tier_the_evicted_prefix_is_recomputed():

@@ -335,6 +335,12 @@ def test_bad_speculative_configs_are_refused_at_start(options, message):
         EngineConfig(speculative_config=options)
 
 
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start(unrelated_draft):
+    spec = {"method": "draft_model", "model": unrelated_draft}
+    with pytest.raises(ValueError, match="vocabulary of 128 tokens, the target 259"):
+        LLM("tiny", speculative_config=spec, **TINY)
+
+
 def test_state_slots_must_hold_a_checkpoint_per_running_request():
     with pytest.raises(ValueError, match="checkpoint slot too"):
         EngineConfig(max_num_seqs=4, num_state_slots=6, speculative_config={})
