@@ -68,7 +68,7 @@ def test_unknown_config_key_is_rejected(tmp_path, capsys):
         ("--max-tokens", "0", "max_tokens: Input should be greater than or equal to 1"),
         ("--temperature", "-1", "temperature: Input should be greater than or equal to 0"),
         ("--model", "/does/not/exist", "no config.json there"),
-        ("--speculative-config", '{"method": "mtp"}', "method 'mtp' is not available"),
+        ("--speculative-config", '{"method": "eagle"}', "Input should be 'ngram'"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_named_error(flag, value, message, capsys):

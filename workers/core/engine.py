@@ -39,6 +39,7 @@ from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.precision import resolve_precision
 from hybridserve.workers.speculative.draft_model import DraftModelProposer, check_draft_model
+from hybridserve.workers.speculative.mtp import MTPProposer
 from hybridserve.workers.speculative.proposer import NgramProposer, Proposer, Speculator
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Engine:
         spec = config.speculative_config
         if spec is not None and spec.model is not None:
             check_draft_model(spec.model, self.model_config.vocab_size, self.max_model_len)
+        if spec is not None and spec.method == "mtp":
+            self._check_mtp(config)
         self.executor = create_executor(config, checkpoint, self.max_model_len)
         sizes = self.executor.sizes
         # Why the engine stopped (a rank died or hung); it then refuses new requests.
@@ -155,6 +158,23 @@ class Engine:
             config.executor_backend,
         )
 
+    def _check_mtp(self, config: EngineConfig) -> None:
+        """Refuse MTP speculation where it cannot run, before anything starts."""
+        if not self.model_config.num_mtp_steps:
+            raise ValueError(
+                f"speculative_config: method 'mtp' needs the checkpoint's multi-token-"
+                f"prediction layers, and {config.model} declares none (Qwen3.5: "
+                "mtp_num_hidden_layers; Qwen3-Next: num_nextn_predict_layers; NemotronH: "
+                "mtp_hybrid_override_pattern)"
+            )
+        if config.tensor_parallel_size > 1 or config.role != "colocated":
+            raise ValueError(
+                "speculative_config: method 'mtp' runs on colocated engines of "
+                "tensor_parallel_size 1 in this release; use 'ngram' or 'draft_model' for "
+                f"this engine (role={config.role!r}, "
+                f"tensor_parallel_size={config.tensor_parallel_size})"
+            )
+
     def _speculator(self) -> Speculator | None:
         """The scheduler's speculator (None: this engine does not speculate)."""
         spec = self.config.speculative_config
@@ -170,6 +190,8 @@ class Engine:
         proposer: Proposer
         if spec.method == "draft_model":
             proposer = DraftModelProposer(self.config, self.max_model_len, device.type)
+        elif spec.method == "mtp":
+            proposer = MTPProposer(spec.num_speculative_tokens)
         else:
             proposer = NgramProposer(spec)
         return Speculator(spec, proposer, max_batch)
@@ -369,6 +391,11 @@ class Engine:
             if scored:
                 item.request.record_prompt_logprobs(scored)
         outputs = ended
+        for request_id, drafts in result.drafts.items():
+            # MTP guesses for the next step, made after this one (its tokens appended below).
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.scheduler.speculator.hold(request, drafts)  # type: ignore[union-attr]
         for request in self.scheduler.update(out, result.samples):
             outputs.append(self._output(request))
             if request.is_finished:

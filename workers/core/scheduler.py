@@ -147,7 +147,13 @@ class Scheduler:
                 continue
             budget = self.max_num_batched_tokens - out.num_tokens
             num_new = self.chunk_size(request, budget, reuse.num_tokens)
-            if num_new == 0 or self.cache.allocate(request, num_new, reuse) is None:
+            if (
+                num_new == 0
+                or self.cache.allocate(
+                    request, self._room(request, num_new, reuse.num_tokens), reuse
+                )
+                is None
+            ):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -240,7 +246,9 @@ class Scheduler:
             slot=self.cache.live_slot(request_id),
             sampling=rows[0],
             prompt_logprobs=request.sampling_params.prompt_logprobs if scores else None,
-            next_token_id=request.token_ids[end] if scores and end < request.num_tokens else None,
+            # The token after the chunk: what its last row scores (prompt logprobs), and the
+            # input of the MTP layers at its last position.
+            next_token_id=request.token_ids[end] if end < request.num_tokens else None,
             draft_rows=tuple(rows[1:]),  # type: ignore[arg-type]
         )
 
@@ -272,10 +280,20 @@ class Scheduler:
             chunk = chunk // self.cache.block_size * self.cache.block_size
         return chunk
 
+    def _room(self, request: Request, num_new: int, position: int) -> int:
+        """Tokens to allocate for a chunk of `num_new` from `position`: with a proposer that
+        writes KV ahead of the request (MTP layers guessing at the end of the step), as many
+        positions more as it writes, within max_model_len, when the chunk reaches the end."""
+        if self.speculator is None or position + num_new != request.num_tokens:
+            return num_new
+        ahead = self.speculator.proposer.lookahead
+        return num_new + max(0, min(ahead, self.max_model_len - request.num_tokens))
+
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for `request`, preempting newer requests until it fits. False if `request`
         itself had to be preempted."""
-        while self.cache.allocate(request, num_new) is None:
+        room = self._room(request, num_new, request.num_computed_tokens)
+        while self.cache.allocate(request, room) is None:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)

@@ -81,9 +81,10 @@ class ScheduledChunk:
     slot: int
     sampling: SamplingRow | None = None
     # Prompt scoring: each row's log-probability of the prompt token it predicts, and the top
-    # N. Row i predicts token start + i + 1: the chunk's own next token, then `next_token_id`
-    # (the token after the chunk, None when the chunk ends the prompt).
+    # N. Row i predicts token start + i + 1: the chunk's own next token, then `next_token_id`.
     prompt_logprobs: int | None = None
+    # The token after the chunk (None when the chunk ends the known tokens): scored with
+    # prompt logprobs, and the MTP layers' input at the chunk's last position.
     next_token_id: int | None = None
     # Speculative decoding: the last len(draft_rows) tokens are drafts to verify; row j of
     # draft_rows samples the position after draft j (its seed, mask and penalties as if the

@@ -58,6 +58,8 @@ MAMBA_RENAMES = {
 }
 
 LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+# A multi-token-prediction sublayer's internal name (after "mtp."): step, sublayer, rest.
+MTP_LAYER_NAME = re.compile(r"steps\.(\d+)\.(\d+)\.(.+)")
 
 
 def single(key: str) -> Alternatives:

@@ -218,11 +218,20 @@ class HybridModelConfig(_Frozen):
     attention: AttentionSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
+    # Multi-token prediction layers the checkpoint ships (`mtp.*`, models/mtp.py): the
+    # sublayers of one prediction step, and how many steps have layers of their own (later
+    # steps reuse them in turn); none: () and 0.
+    mtp_layer_kinds: tuple[LayerKind, ...] = ()
+    num_mtp_steps: int = 0
 
     def model_post_init(self, context: Any, /) -> None:
-        for kind in set(self.layer_kinds):
+        for kind in set(self.layer_kinds) | set(self.mtp_layer_kinds):
             if getattr(self, kind) is None:
                 raise ValueError(f"layer kind '{kind}' is used but has no spec")
+        if set(self.mtp_layer_kinds) & set(RECURRENT_KINDS):
+            raise ValueError("multi-token-prediction layers hold no recurrent state")
+        if bool(self.mtp_layer_kinds) != bool(self.num_mtp_steps):
+            raise ValueError("mtp_layer_kinds and num_mtp_steps go together")
         recurrent = {kind for kind in self.layer_kinds if kind in RECURRENT_KINDS}
         if len(recurrent) > 1:
             # NOTE: the state pools hold one state description; a model mixing recurrent kinds
@@ -254,6 +263,11 @@ class HybridModelConfig(_Frozen):
     @property
     def num_attention_layers(self) -> int:
         return len(self.attention_layer_ids)
+
+    @property
+    def num_mtp_attention_layers(self) -> int:
+        """The KV layers the multi-token-prediction layers add to the pool when they run."""
+        return self.mtp_layer_kinds.count("attention") * self.num_mtp_steps
 
 
 _MISSING: Any = object()

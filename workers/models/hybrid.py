@@ -17,73 +17,13 @@ from torch import nn
 
 from hybridserve.kernels import can_pack, pack_weight, register_packed
 from hybridserve.workers.executors.parallel import ParallelContext
-from hybridserve.workers.layers.attention import Attention
-from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
-from hybridserve.workers.layers.mamba_mixer import MambaMixer
-from hybridserve.workers.layers.mlp import MLP
-from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
 from hybridserve.workers.layers.vocab import VocabParallelEmbedding, gather_logits, vocab_param
-from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig, LayerKind
+from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig
+from hybridserve.workers.models.mtp import MultiTokenPredictor
+from hybridserve.workers.models.sublayer import Sublayer, norm_weight_dtype
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
-
-
-def norm_weight_dtype(config: HybridModelConfig, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if config.zero_centred_norms else dtype
-
-
-class Sublayer(nn.Module):
-    def __init__(
-        self,
-        config: HybridModelConfig,
-        kind: LayerKind,
-        cache_index: int,
-        parallel: ParallelContext,
-        dtype: torch.dtype,
-        device: torch.device | str | None,
-    ) -> None:
-        super().__init__()
-        self.kind = kind
-        # Index of this layer inside the KV pool (attention) or the state pools (recurrent).
-        self.cache_index = cache_index
-        hidden = config.hidden_size
-        norm_dtype = norm_weight_dtype(config, dtype)
-        self.norm = RMSNorm(hidden, config.norm_eps, norm_dtype, device)
-        self.op: nn.Module
-        if kind == "mamba2":
-            assert config.mamba2 is not None
-            self.op = MambaMixer(config.mamba2, hidden, parallel, dtype, device)
-        elif kind == "gdn":
-            assert config.gdn is not None
-            self.op = GatedDeltaNet(config.gdn, hidden, parallel, dtype, device)
-        elif kind == "attention":
-            assert config.attention is not None
-            self.op = Attention(
-                config.attention,
-                hidden,
-                config.max_position_embeddings,
-                parallel,
-                dtype,
-                device,
-                norm_dtype,
-            )
-        elif kind == "mlp":
-            assert config.mlp is not None
-            self.op = MLP(config.mlp, hidden, parallel, dtype, device)
-        else:
-            assert config.moe is not None
-            self.op = MoE(config.moe, hidden, parallel, dtype, device)
-
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
-    ) -> torch.Tensor:
-        normed = self.norm(hidden)
-        if self.kind in RECURRENT_KINDS:
-            return self.op(normed, batch, caches.recurrent_layer(self.cache_index))
-        if self.kind == "attention":
-            return self.op(normed, batch, caches.kv_layer(self.cache_index))
-        return self.op(normed)
 
 
 class HybridForCausalLM(nn.Module):
@@ -93,7 +33,10 @@ class HybridForCausalLM(nn.Module):
         parallel: ParallelContext | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
+        mtp: bool = False,
     ) -> None:
+        """`mtp`: build the checkpoint's multi-token-prediction layers too (models/mtp.py)."""
         super().__init__()
         self.config = config
         parallel = parallel or ParallelContext()
@@ -121,6 +64,11 @@ class HybridForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else vocab_param(config.vocab_size, config.hidden_size, parallel, dtype, device)
         )
+        self.mtp: MultiTokenPredictor | None = None
+        if mtp:
+            if not config.num_mtp_steps:
+                raise ValueError("this checkpoint has no multi-token-prediction layers")
+            self.mtp = MultiTokenPredictor(config, num_attention, parallel, dtype, device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -192,14 +192,16 @@ def load_model(
     device: torch.device | str,
     parallel: ParallelContext | None = None,
     keep_fp8: bool = False,
+    mtp: bool = False,
 ) -> HybridForCausalLM:
     """The model of `checkpoint` on `device`, this rank's shard. `keep_fp8`: an FP8
     checkpoint's linear weights stay FP8 with their scales (the layers' GEMMs dequantise
-    them); otherwise they are dequantised into `dtype` as they load."""
+    them); otherwise they are dequantised into `dtype` as they load. `mtp`: with the
+    checkpoint's multi-token-prediction layers (otherwise their tensors are skipped)."""
     parallel = parallel or ParallelContext()
     with torch.device("meta"):
-        shapes = HybridForCausalLM(checkpoint.config, ParallelContext(), dtype)
-    model = HybridForCausalLM(checkpoint.config, parallel, dtype, device)
+        shapes = HybridForCausalLM(checkpoint.config, ParallelContext(), dtype, mtp=mtp)
+    model = HybridForCausalLM(checkpoint.config, parallel, dtype, device, mtp=mtp)
     full_shapes = {name: tuple(p.shape) for name, p in shapes.named_parameters()}
     source = checkpoint.tensors
     available = set(source.keys())

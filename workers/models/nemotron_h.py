@@ -14,6 +14,7 @@ import re
 
 from hybridserve.workers.models.adapter import (
     LAYER_NAME,
+    MTP_LAYER_NAME,
     Alternatives,
     WeightSource,
     attention_spec,
@@ -73,12 +74,38 @@ def layer_kinds(reader: ConfigReader) -> list[LayerKind]:
     return kinds
 
 
+def mtp_layer_kinds(reader: ConfigReader) -> list[LayerKind]:
+    """The multi-token-prediction layers of one step (`mtp_hybrid_override_pattern`, or
+    `mtp_layers_block_type`); [] without them."""
+    field = "mtp_layers_block_type"
+    if reader.has(field):
+        kinds = parse_layer_names(reader, field, ALL_KINDS)
+    else:
+        field = "mtp_hybrid_override_pattern"
+        pattern = reader.raw.get(field) or ""
+        if not isinstance(pattern, str):
+            raise reader.error(field, f"expected a string, got {pattern!r}")
+        unknown = next((symbol for symbol in pattern if symbol not in PATTERN_SYMBOLS), None)
+        if unknown is not None:
+            raise reader.error(field, f"unknown layer symbol {unknown!r}")
+        kinds = [PATTERN_SYMBOLS[symbol] for symbol in pattern]
+    if "mamba2" in kinds:
+        raise reader.error(field, "Mamba2 multi-token-prediction layers are not supported")
+    return kinds
+
+
 class NemotronHAdapter:
     model_types = ("nemotron_h",)
+    # Multi-token-prediction layers: loaded only when speculative decoding uses them.
     ignored_keys = re.compile(r"^(mtp|backbone\.mtp|model\.mtp)\.")
 
     def parse_config(self, reader: ConfigReader) -> HybridModelConfig:
-        kinds = layer_kinds(reader)
+        main_kinds = layer_kinds(reader)
+        # transformers writes an MTP pattern into every config; the layers exist only where
+        # num_nextn_predict_layers says so.
+        num_mtp = reader.int("num_nextn_predict_layers", 0, minimum=0)
+        mtp_kinds = mtp_layer_kinds(reader) if num_mtp else []
+        kinds = [*main_kinds, *mtp_kinds]  # the kinds whose specs are needed
         hidden = reader.int("hidden_size")
         eps = reader.float("layer_norm_epsilon", 1e-5, aliases=("rms_norm_eps",), positive=True)
         mamba = attention = mlp = moe = None
@@ -123,7 +150,7 @@ class NemotronHAdapter:
             architecture="nemotron_h",
             vocab_size=reader.int("vocab_size"),
             hidden_size=hidden,
-            layer_kinds=tuple(kinds),
+            layer_kinds=tuple(main_kinds),
             norm_eps=eps,
             max_position_embeddings=reader.int("max_position_embeddings", 4096),
             tie_word_embeddings=reader.bool("tie_word_embeddings", False),
@@ -134,6 +161,8 @@ class NemotronHAdapter:
             attention=attention,
             mlp=mlp,
             moe=moe,
+            mtp_layer_kinds=tuple(mtp_kinds),
+            num_mtp_steps=num_mtp if mtp_kinds else 0,
         )
 
     def _moe_spec(self, reader: ConfigReader) -> MoESpec:
@@ -179,6 +208,12 @@ class NemotronHAdapter:
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
         if name == "lm_head":
             return single("lm_head.weight")
+        if name.startswith("mtp."):
+            return [
+                alt
+                for prefix in ("mtp", "backbone.mtp", "model.mtp")
+                for alt in self._mtp_sources(config, name.removeprefix("mtp."), prefix)
+            ]
         return [
             alt for prefix in ("backbone", "model") for alt in self._sources(config, name, prefix)
         ]
@@ -191,11 +226,34 @@ class NemotronHAdapter:
         match = LAYER_NAME.fullmatch(name)
         assert match is not None, name
         index, rest = int(match[1]), match[2]
-        layer = f"{prefix}.layers.{index}"
+        return self._layer_sources(
+            config, config.layer_kinds[index], f"{prefix}.layers.{index}", rest
+        )
+
+    def _mtp_sources(self, config: HybridModelConfig, name: str, prefix: str) -> Alternatives:
+        """The MTP blocks: the first fuses (enorm, hnorm, eh_proj), the last ends with
+        final_layernorm; step s's block j is `layers.{s * len(pattern) + j}`."""
+        per_step = len(config.mtp_layer_kinds)
+        fixed = {
+            "enorm.weight": f"{prefix}.layers.0.enorm.weight",
+            "hnorm.weight": f"{prefix}.layers.0.hnorm.weight",
+            "fc.weight": f"{prefix}.layers.0.eh_proj.weight",
+            "final_norm.weight": f"{prefix}.layers.{per_step - 1}.final_layernorm.weight",
+        }
+        if name in fixed:
+            return single(fixed[name])
+        match = MTP_LAYER_NAME.fullmatch(name)
+        assert match is not None, name
+        step, j, rest = int(match[1]), int(match[2]), match[3]
+        layer = f"{prefix}.layers.{step * per_step + j}"
+        return self._layer_sources(config, config.mtp_layer_kinds[j], layer, rest)
+
+    def _layer_sources(
+        self, config: HybridModelConfig, kind: LayerKind, layer: str, rest: str
+    ) -> Alternatives:
         if rest == "norm.weight":
             return single(f"{layer}.norm.weight")
         param = rest.removeprefix("op.")
-        kind = config.layer_kinds[index]
         mixer = f"{layer}.mixer"
         if kind == "mamba2":
             return single(mamba_key(mixer, param))

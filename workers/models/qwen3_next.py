@@ -27,6 +27,7 @@ import torch
 
 from hybridserve.workers.models.adapter import (
     LAYER_NAME,
+    MTP_LAYER_NAME,
     Alternatives,
     WeightSource,
     attention_spec,
@@ -55,7 +56,8 @@ def _plus_one(tensor: torch.Tensor) -> torch.Tensor:
 
 class Qwen3NextAdapter:
     model_types = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
-    # Multi-token-prediction heads and the vision tower: not part of the text model.
+    # The vision tower is not part of the text model; the multi-token-prediction layers
+    # load only when speculative decoding uses them.
     ignored_keys = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 
     def parse_config(self, reader: ConfigReader) -> HybridModelConfig:
@@ -75,8 +77,16 @@ class Qwen3NextAdapter:
         if activation != "silu":
             raise text.error("hidden_act", f"must be silu for these models, got {activation!r}")
         ffns = self._ffns(text, model_type, len(mixers))
+        # Multi-token prediction: a full-attention decoder layer per step (Qwen3.5:
+        # mtp_num_hidden_layers; Qwen3-Next: num_nextn_predict_layers), its FFN the model's.
+        num_mtp = text.int(
+            "mtp_num_hidden_layers", 0, minimum=0, aliases=("num_nextn_predict_layers",)
+        )
+        mtp_kinds: tuple[LayerKind, ...] = ()
+        if num_mtp:
+            mtp_kinds = ("attention", "moe" if "moe" in ffns else "mlp")
         attention = None
-        if "attention" in mixers:
+        if "attention" in mixers or num_mtp:
             spec = attention_spec(
                 text, hidden, bias=text.bool("attention_bias", False), rope_partial=0.25
             )
@@ -106,6 +116,8 @@ class Qwen3NextAdapter:
                 else None
             ),
             moe=self._moe(text, model_type) if "moe" in ffns else None,
+            mtp_layer_kinds=mtp_kinds,
+            num_mtp_steps=num_mtp,
         )
 
     @staticmethod
@@ -182,7 +194,30 @@ class Qwen3NextAdapter:
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
         if name == "lm_head":
             return single("lm_head.weight")
+        if name.startswith("mtp."):
+            return [
+                alt
+                for prefix in ("mtp", "model.mtp")
+                for alt in self._mtp_sources(config, name.removeprefix("mtp."), prefix)
+            ]
         return [alt for prefix in _PREFIXES for alt in self._sources(config, name, prefix)]
+
+    def _mtp_sources(self, config: HybridModelConfig, name: str, prefix: str) -> Alternatives:
+        """The fusion and final norms the steps share, and step s's decoder layer
+        `layers.{s}` (its attention, then its FFN)."""
+        norms = {
+            "enorm.weight": "pre_fc_norm_embedding",
+            "hnorm.weight": "pre_fc_norm_hidden",
+            "final_norm.weight": "norm",
+        }
+        if name in norms:
+            return [[WeightSource(f"{prefix}.{norms[name]}.weight", transform=_plus_one)]]
+        if name == "fc.weight":
+            return single(f"{prefix}.fc.weight")
+        match = MTP_LAYER_NAME.fullmatch(name)
+        assert match is not None, name
+        step, j, rest = int(match[1]), int(match[2]), match[3]
+        return self._sublayer_sources(config, "attention", j == 1, f"{prefix}.layers.{step}", rest)
 
     def _sources(self, config: HybridModelConfig, name: str, prefix: str) -> Alternatives:
         if name == "embed.weight":
@@ -192,14 +227,20 @@ class Qwen3NextAdapter:
         match = LAYER_NAME.fullmatch(name)
         assert match is not None, name
         index, is_ffn, rest = int(match[1]) // 2, int(match[1]) % 2 == 1, match[2]
-        layer = f"{prefix}.layers.{index}"
+        mixer = config.layer_kinds[2 * index]
+        return self._sublayer_sources(config, mixer, is_ffn, f"{prefix}.layers.{index}", rest)
+
+    def _sublayer_sources(
+        self, config: HybridModelConfig, mixer: LayerKind, is_ffn: bool, layer: str, rest: str
+    ) -> Alternatives:
+        """A decoder layer's sublayer: its mixer (`mixer`) or, `is_ffn`, its FFN."""
         if rest == "norm.weight":
             norm = "post_attention_layernorm" if is_ffn else "input_layernorm"
             return [[WeightSource(f"{layer}.{norm}.weight", transform=_plus_one)]]
         param = rest.removeprefix("op.")
         if is_ffn:
             return self._ffn_sources(config, f"{layer}.mlp", param)
-        if config.layer_kinds[2 * index] == "attention":
+        if mixer == "attention":
             if param in ("q_norm.weight", "k_norm.weight"):
                 return [[WeightSource(f"{layer}.self_attn.{param}", transform=_plus_one)]]
             return single(f"{layer}.self_attn.{param}")

@@ -26,6 +26,7 @@ from hybridserve.workers.models.loader import Checkpoint, load_model
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
+from hybridserve.workers.runner.mtp_drafts import mtp_drafts
 from hybridserve.workers.runner.precision import (
     kv_cache_dtype,
     model_dtype,
@@ -61,6 +62,8 @@ class RunnerOutput:
     samples: list[Sample | None]  # per plan chunk, in plan order
     # request id -> the prompt tokens this step's chunk scored (chunks with prompt_logprobs).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding with MTP layers: request id -> its drafts for the next step.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_device(device: str, index: int = 0) -> torch.device:
@@ -97,12 +100,17 @@ class ModelRunner:
         self.device = resolve_device(config.device, index)
         self.dtype = model_dtype(config)
         self.model_config: HybridModelConfig = checkpoint.config
+        spec = config.speculative_config
+        # Speculative decoding with the checkpoint's multi-token-prediction layers: they load,
+        # and their attention layers take KV layers after the model's own.
+        self.uses_mtp = spec is not None and spec.method == "mtp"
         self.model = load_model(
             checkpoint,
             dtype=self.dtype,
             device=self.device,
             parallel=parallel,
             keep_fp8=config.fp8_weights == "keep",
+            mtp=self.uses_mtp,
         )
         self.model.eval()
         place_on_huge_pages(self.model)  # before the packed copies and kernels take addresses
@@ -129,14 +137,22 @@ class ModelRunner:
 
     # ---- pools ----------------------------------------------------------------------------
 
+    @property
+    def num_kv_layers(self) -> int:
+        """The KV pool's layers: the attention layers, and the MTP ones when they run."""
+        config = self.model_config
+        return config.num_attention_layers + (
+            config.num_mtp_attention_layers if self.uses_mtp else 0
+        )
+
     def kv_bytes_per_block(self) -> int:
-        """One block of this rank's KV pool: every attention layer, K and V, its KV heads."""
+        """One block of this rank's KV pool: every KV layer, K and V, its KV heads."""
         spec = self.model_config.attention
         if spec is None:
             return 0
         heads = local_kv_heads(spec, self.parallel.tp_size)
         elems = 2 * self.block_size * heads * spec.head_dim
-        return self.model_config.num_attention_layers * elems * kv_cache_dtype(self.config).itemsize
+        return self.num_kv_layers * elems * kv_cache_dtype(self.config).itemsize
 
     def pool_sizes(self, max_model_len: int) -> PoolSizes:
         """Block and slot counts from the config, or from the memory left on this rank."""
@@ -174,7 +190,7 @@ class ModelRunner:
             kv = zeroed_pool(
                 (
                     sizes.num_kv_blocks,
-                    cfg.num_attention_layers,
+                    self.num_kv_layers,
                     2,
                     local_kv_heads(cfg.attention, tp),
                     self.block_size,
@@ -251,13 +267,21 @@ class ModelRunner:
         logits_indices = batch.logits_indices
         if logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
-            return RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
-        # Row indices in increasing order: as many as rows means every row (a decode batch).
-        every_row = logits_indices.numel() == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
-        if logits is None:
-            return None  # not the driver: rank 0 samples
-        return self.sample(items, order, logits, row_ranges)
+            output = RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
+        else:
+            # Row indices in increasing order: as many as rows means every row (a decode
+            # batch).
+            every_row = logits_indices.numel() == hidden.shape[0]
+            logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
+            if logits is None:
+                return None  # not the driver: rank 0 samples
+            output = self.sample(items, order, logits, row_ranges)
+        if output is not None and self.uses_mtp:
+            spec = self.config.speculative_config
+            assert spec is not None
+            samples = [output.samples[order[i]] for i in range(len(items))]
+            output.drafts = mtp_drafts(self, items, samples, hidden, spec.num_speculative_tokens)
+        return output
 
     def sample(
         self,

@@ -4,6 +4,7 @@
     proposer.py      the Proposer interface, the n-gram proposer and the Speculator (policy)
     ngram.py         prompt lookup over the request's own tokens
     draft_model.py   a smaller checkpoint with pools of its own, guessing greedily
+    mtp.py           the guesses the checkpoint's MTP layers made at the end of the last step
     verification.py  a verified span's rows -> the tokens that stand (greedy and rejection)
     stats.py         drafts proposed and accepted, per request and per engine
 

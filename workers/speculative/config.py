@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_SPECULATIVE_TOKENS = 16
 
 SpeculativeMethod = Literal["ngram", "draft_model", "mtp"]
-IMPLEMENTED_METHODS: tuple[SpeculativeMethod, ...] = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(BaseModel):
@@ -67,11 +66,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger "
                 f"than prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-        if self.method not in IMPLEMENTED_METHODS:
-            raise ValueError(
-                f"speculative_config: method {self.method!r} is not available yet; this "
-                f"release speculates with {', '.join(IMPLEMENTED_METHODS)}"
             )
         if self.method == "draft_model" and self.model is None:
             raise ValueError(

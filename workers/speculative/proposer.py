@@ -24,6 +24,10 @@ FIRST_PAUSE, MAX_PAUSE = 8, 256
 
 
 class Proposer(ABC):
+    # Positions past a request's tokens whose KV the proposer writes in the step (MTP layers
+    # guessing at its end): the scheduler allocates blocks that far ahead.
+    lookahead: int = 0
+
     @abstractmethod
     def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
         """Per (request, count): up to `count` (at least 1) guesses of the tokens after
@@ -62,6 +66,7 @@ class RequestSpeculation:
 
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     ngrams: NgramIndex | None = None
+    pending: list[int] = field(default_factory=list)  # MTP: guesses from the last step
     window_drafts: int = 0  # draft tokens and accepted ones since the last check
     window_accepted: int = 0
     paused_steps: int = 0  # decode steps left without proposing
@@ -88,9 +93,7 @@ class Speculator:
             return drafts
         asked: list[int] = []
         for index, (request, limit) in enumerate(batch):
-            state = request.speculation
-            if state is None:
-                state = request.speculation = RequestSpeculation()
+            state = self._state(request)
             if state.paused_steps:
                 state.paused_steps -= 1
             elif min(limit, self.config.num_speculative_tokens) > 0:
@@ -107,6 +110,15 @@ class Speculator:
                 guesses = guesses[: grammar.valid_prefix(guesses)]
             drafts[index] = guesses
         return drafts
+
+    def hold(self, request: Request, drafts: list[int]) -> None:
+        """Guesses made for the request's next step (MTP: at the end of this one)."""
+        self._state(request).pending = drafts
+
+    def _state(self, request: Request) -> RequestSpeculation:
+        if request.speculation is None:
+            request.speculation = RequestSpeculation()
+        return request.speculation
 
     def dropped(self, request: Request) -> None:
         """The request's drafts were proposed but will not be verified (no room)."""

@@ -323,11 +323,11 @@ def test_requests_whose_drafts_fail_pause_and_large_batches_do_not_speculate():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"method": "mtp"}, "method 'mtp' is not available"),
+        ({"method": "ngram", "model": "tiny"}, "model is the draft_model method's checkpoint"),
         ({"method": "draft_model"}, "method 'draft_model' needs model"),
         ({"num_speculative_tokens": 17}, "less than or equal to 16"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
-        ({"model": "tiny"}, "model is the draft_model method's checkpoint"),
+        ({"method": "eagle"}, "Input should be 'ngram', 'draft_model' or 'mtp'"),
     ],
 )
 def test_bad_speculative_configs_are_refused_at_start(options, message):

@@ -75,6 +75,8 @@ class NativePath(ForwardPath):
             return f"{type(runner.model).__name__} is not a hybrid model"
         if _decode_step_kernel() is None:
             return f"the C kernel did not build (no compiler, or {BACKEND_ENV})"
+        if runner.uses_mtp:
+            return "MTP speculation reads the hidden states, which the C step keeps to itself"
         return None
 
     def prepare(self) -> str | None:

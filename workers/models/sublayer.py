@@ -1,0 +1,75 @@
+"""A residual sublayer of a hybrid model: `norm` then one op (mamba2, gdn, attention, mlp, moe),
+with its index in the KV pool or the state pools. The model's stack and the
+multi-token-prediction layers are made of these."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.workers.executors.parallel import ParallelContext
+from hybridserve.workers.layers.attention import Attention
+from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.workers.layers.mamba_mixer import MambaMixer
+from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.layers.moe import MoE
+from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig, LayerKind
+from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
+
+
+def norm_weight_dtype(config: HybridModelConfig, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if config.zero_centred_norms else dtype
+
+
+class Sublayer(nn.Module):
+    def __init__(
+        self,
+        config: HybridModelConfig,
+        kind: LayerKind,
+        cache_index: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        # Index of this layer inside the KV pool (attention) or the state pools (recurrent).
+        self.cache_index = cache_index
+        hidden = config.hidden_size
+        norm_dtype = norm_weight_dtype(config, dtype)
+        self.norm = RMSNorm(hidden, config.norm_eps, norm_dtype, device)
+        self.op: nn.Module
+        if kind == "mamba2":
+            assert config.mamba2 is not None
+            self.op = MambaMixer(config.mamba2, hidden, parallel, dtype, device)
+        elif kind == "gdn":
+            assert config.gdn is not None
+            self.op = GatedDeltaNet(config.gdn, hidden, parallel, dtype, device)
+        elif kind == "attention":
+            assert config.attention is not None
+            self.op = Attention(
+                config.attention,
+                hidden,
+                config.max_position_embeddings,
+                parallel,
+                dtype,
+                device,
+                norm_dtype,
+            )
+        elif kind == "mlp":
+            assert config.mlp is not None
+            self.op = MLP(config.mlp, hidden, parallel, dtype, device)
+        else:
+            assert config.moe is not None
+            self.op = MoE(config.moe, hidden, parallel, dtype, device)
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
+    ) -> torch.Tensor:
+        normed = self.norm(hidden)
+        if self.kind in RECURRENT_KINDS:
+            return self.op(normed, batch, caches.recurrent_layer(self.cache_index))
+        if self.kind == "attention":
+            return self.op(normed, batch, caches.kv_layer(self.cache_index))
+        return self.op(normed)

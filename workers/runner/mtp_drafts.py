@@ -1,0 +1,123 @@
+"""Drafts from the multi-token-prediction layers (models/mtp.py), at the end of a step.
+
+The MTP layers need the target's hidden states, which exist only inside the step, so they
+run right after it, in the same call, and their guesses are the next step's drafts
+(`RunnerOutput.drafts`; workers/speculative/mtp.py hands them to the scheduler).
+
+    target chunk:   positions s .. e-1, hidden h_s .. h_{e-1}
+    next tokens:    x_{s+1} .. x_e    (the chunk's own, then the token after it: the next
+                                       prompt token, or the one this step sampled)
+    catch-up:       one MTP step over every position whose next token is known, writing the
+                    MTP layers' KV there; a request that sampled guesses d1 from its last row
+    k - 1 more:     one row each at the next positions, feeding d_j and the previous output
+
+A verify chunk's positions count up to the last accepted draft: the rows after a rejected
+draft are not the request's, and their KV is written again when the cursor passes them.
+A request proposes only as far as its block table reaches (the scheduler allocates that
+far ahead).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridserve.workers.core.outputs import Sample
+from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk
+
+if TYPE_CHECKING:
+    from hybridserve.workers.runner.model_runner import ModelRunner
+
+GREEDY = SamplingRow(0.0, 1.0, None, (0,))
+
+
+@torch.inference_mode()
+def mtp_drafts(
+    runner: ModelRunner,
+    items: list[ScheduledChunk],
+    samples: list[Sample | None],
+    hidden: torch.Tensor,
+    num_drafts: int,
+) -> dict[str, list[int]]:
+    """`items` in the order their rows are in `hidden` (the batch's final-normed hidden
+    states), `samples[i]` item i's sample; each sampling request's next `num_drafts`
+    guesses (fewer where its block table ends)."""
+    model, caches = runner.model, runner.caches
+    mtp = model.mtp
+    assert mtp is not None
+    catch_up: list[tuple[ScheduledChunk, list[int]]] = []  # (chunk, its rows of `hidden`)
+    offset = 0
+    for item, sample in zip(items, samples, strict=True):
+        following = _following_tokens(item, sample)
+        if following:
+            chunk = ScheduledChunk(
+                item.request_id,
+                following,
+                item.start,
+                item.block_ids,
+                item.slot,
+                None if sample is None else GREEDY,
+            )
+            catch_up.append((chunk, list(range(offset, offset + len(following)))))
+        offset += item.num_tokens
+    if not catch_up:
+        return {}
+    # Decode-like rows first, as every batch lays them out (forward_batch.py).
+    catch_up.sort(key=lambda pair: not pair[0].is_decode)
+    chunks = [chunk for chunk, _ in catch_up]
+    rows = torch.tensor([row for _, chunk_rows in catch_up for row in chunk_rows])
+    batch, _ = runner.build_batch(chunks, runner.device)
+    out = mtp(0, model.embed(batch.input_ids), hidden[rows.to(hidden.device)], batch, caches)
+    proposing = [chunk for chunk in chunks if chunk.sampling is not None]
+    if not proposing:
+        return {}
+    last = out[batch.logits_indices]
+    drafts = {
+        chunk.request_id: [token]
+        for chunk, token in zip(proposing, _argmax(model, last), strict=True)
+    }
+    # Chained steps, one row per request, as far as its block table reaches.
+    for step in range(1, num_drafts):
+        going = [
+            i
+            for i, chunk in enumerate(proposing)
+            if chunk.end + step - 1 < len(chunk.block_ids) * runner.block_size
+        ]
+        if not going:
+            break
+        rows_now = [
+            ScheduledChunk(
+                proposing[i].request_id,
+                [drafts[proposing[i].request_id][-1]],
+                proposing[i].end + step - 1,
+                proposing[i].block_ids,
+                proposing[i].slot,
+                GREEDY,
+            )
+            for i in going
+        ]
+        batch, _ = runner.build_batch(rows_now, runner.device)
+        last = mtp(step, model.embed(batch.input_ids), last[going], batch, caches)
+        proposing = [proposing[i] for i in going]
+        for chunk, token in zip(proposing, _argmax(model, last), strict=True):
+            drafts[chunk.request_id].append(token)
+    return drafts
+
+
+def _argmax(model: torch.nn.Module, hidden: torch.Tensor) -> list[int]:
+    logits = model.compute_logits(hidden)
+    assert logits is not None, "MTP runs at tensor_parallel_size 1"
+    return logits.argmax(dim=-1).tolist()
+
+
+def _following_tokens(item: ScheduledChunk, sample: Sample | None) -> list[int]:
+    """The token after each position of `item` that is known now, in order: the chunk's own
+    tokens after the first, up to its last accepted draft, then the token after them."""
+    if sample is None:
+        if item.next_token_id is None:
+            return item.token_ids[1:]
+        return [*item.token_ids[1:], item.next_token_id]
+    known = item.num_tokens - len(item.draft_rows)
+    valid = known + len(sample.accepted)
+    return [*item.token_ids[1:valid], sample.token_ids[0]]
