@@ -4,10 +4,10 @@ against a plain-torch reference of the published architecture written here.
 The reference composes the step from its parts, as the model cards and peers describe it:
 the embedding of the next token and the target's hidden state, each RMS-normed, concatenated
 (embedding first) and projected back to the hidden size; the decoder layers of the step
-(transformers' own layer classes of the family: Qwen3.5's full-attention decoder layer,
-NemotronH's attention and MoE blocks), causal over the step's positions; a final RMSNorm; the
-target's LM head. The test checkpoints get random MTP tensors under the names the families'
-checkpoints use."""
+(transformers' own layer classes of the family: the full-attention decoder layer of Qwen3.5
+and of Qwen3-Next, NemotronH's attention and MoE blocks), causal over the step's positions; a
+final RMSNorm; the target's LM head. The test checkpoints get random MTP tensors under the
+names the families' checkpoints use."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from hybridserve.workers.runner.model_runner import ModelRunner
 from tests.helpers import assert_pools_at_baseline, make_hf_model, random_prompts
 
 BLOCK = 8
+QWEN = ("qwen3_5", "qwen3_next")  # Qwen3.5 with a dense MTP layer, Qwen3-Next with a MoE one
 
 
 def _randomize(module: nn.Module, generator: torch.Generator) -> None:
@@ -45,19 +46,27 @@ def add_mtp_layers(arch: str, hf_model: Any, folder: Path) -> dict[str, Any]:
     config._attn_implementation = "eager"
     hidden = config.hidden_size
     generator = torch.Generator().manual_seed(5)
-    if arch == "qwen3_5":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import (
-            Qwen3_5DecoderLayer,
-            Qwen3_5RMSNorm,
-        )
-
+    if arch in QWEN:
+        if arch == "qwen3_5":
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (
+                Qwen3_5DecoderLayer as DecoderLayer,
+            )
+            from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm as Norm
+        else:
+            from transformers.models.qwen3_next.modeling_qwen3_next import (
+                Qwen3NextDecoderLayer as DecoderLayer,
+            )
+            from transformers.models.qwen3_next.modeling_qwen3_next import (
+                Qwen3NextRMSNorm as Norm,
+            )
+        # A full-attention layer (Qwen3-Next's first one has a MoE FFN, as its MTP layer).
         full_attention = config.layer_types.index("full_attention")
         parts = {
-            "enorm": Qwen3_5RMSNorm(hidden, config.rms_norm_eps),
-            "hnorm": Qwen3_5RMSNorm(hidden, config.rms_norm_eps),
+            "enorm": Norm(hidden, config.rms_norm_eps),
+            "hnorm": Norm(hidden, config.rms_norm_eps),
             "fc": nn.Linear(2 * hidden, hidden, bias=False),
-            "layers": [Qwen3_5DecoderLayer(config, full_attention)],
-            "final": Qwen3_5RMSNorm(hidden, config.rms_norm_eps),
+            "layers": [DecoderLayer(config, full_attention)],
+            "final": Norm(hidden, config.rms_norm_eps),
         }
         names = {
             "enorm": "mtp.pre_fc_norm_embedding",
@@ -66,7 +75,7 @@ def add_mtp_layers(arch: str, hf_model: Any, folder: Path) -> dict[str, Any]:
             "layers": ["mtp.layers.0"],
             "final": "mtp.norm",
         }
-        declared = {"mtp_num_hidden_layers": 1}
+        declared = {"mtp_num_hidden_layers" if arch == "qwen3_5" else "num_nextn_predict_layers": 1}
     else:
         from transformers.models.nemotron_h.modeling_nemotron_h import (
             NemotronHBlock,
@@ -123,7 +132,7 @@ def reference_step(
     positions = torch.arange(count)[None]
     mask = torch.full((count, count), float("-inf")).triu(1)[None, None]
     for layer in parts["layers"]:
-        if arch == "qwen3_5":
+        if arch in QWEN:
             rotary = hf_model.model.rotary_emb(out, positions)
             out = layer(
                 out, position_embeddings=rotary, attention_mask=mask, position_ids=positions
@@ -134,7 +143,7 @@ def reference_step(
     return hf_model.lm_head(out).float(), out
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+@pytest.fixture(scope="module", params=[*QWEN, "nemotron_h"])
 def mtp_checkpoint(request, tmp_path_factory) -> tuple[str, Path, Any, dict[str, Any]]:
     folder = tmp_path_factory.mktemp(f"{request.param}-mtp")
     hf_model = make_hf_model(request.param)
