@@ -167,12 +167,11 @@ class Engine:
                 "mtp_num_hidden_layers; Qwen3-Next: num_nextn_predict_layers; NemotronH: "
                 "mtp_hybrid_override_pattern)"
             )
-        if config.tensor_parallel_size > 1 or config.role != "colocated":
+        if config.role != "colocated":
             raise ValueError(
-                "speculative_config: method 'mtp' runs on colocated engines of "
-                "tensor_parallel_size 1 in this release; use 'ngram' or 'draft_model' for "
-                f"this engine (role={config.role!r}, "
-                f"tensor_parallel_size={config.tensor_parallel_size})"
+                "speculative_config: method 'mtp' runs on colocated engines in this release "
+                f"(this one's role is {config.role!r}: its MTP layers would need the other "
+                "engine's hidden states); use 'ngram' or 'draft_model' on a disaggregated one"
             )
 
     def _speculator(self) -> Speculator | None:

@@ -26,7 +26,7 @@ from hybridserve.workers.models.loader import Checkpoint, load_model
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
-from hybridserve.workers.runner.mtp_drafts import mtp_drafts
+from hybridserve.workers.runner.mtp_drafts import mtp_drafts, shared_samples
 from hybridserve.workers.runner.precision import (
     kv_cache_dtype,
     model_dtype,
@@ -265,22 +265,26 @@ class ModelRunner:
         plan chunk `order[i]` being `items[i]`): the logits of the rows that need them, then
         samples and prompt scores (`sample`). None on ranks other than the driver."""
         logits_indices = batch.logits_indices
+        output = None
         if logits_indices.numel() == 0:
             # Only mid-prompt chunks: no logits are needed, on any rank.
-            output = RunnerOutput([None] * len(items)) if self.parallel.is_driver else None
+            if self.parallel.is_driver:
+                output = RunnerOutput([None] * len(items))
         else:
             # Row indices in increasing order: as many as rows means every row (a decode
             # batch).
             every_row = logits_indices.numel() == hidden.shape[0]
             logits = self.model.compute_logits(hidden if every_row else hidden[logits_indices])
-            if logits is None:
-                return None  # not the driver: rank 0 samples
-            output = self.sample(items, order, logits, row_ranges)
-        if output is not None and self.uses_mtp:
+            # Rank 0 samples; the other ranks get None.
+            if logits is not None:
+                output = self.sample(items, order, logits, row_ranges)
+        if self.uses_mtp:
             spec = self.config.speculative_config
             assert spec is not None
-            samples = [output.samples[order[i]] for i in range(len(items))]
-            output.drafts = mtp_drafts(self, items, samples, hidden, spec.num_speculative_tokens)
+            samples = shared_samples(self, items, order, output)
+            drafts = mtp_drafts(self, items, samples, hidden, spec.num_speculative_tokens)
+            if output is not None:
+                output.drafts = drafts
         return output
 
     def sample(

@@ -27,7 +27,7 @@ from hybridserve.workers.core.outputs import Sample
 from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk
 
 if TYPE_CHECKING:
-    from hybridserve.workers.runner.model_runner import ModelRunner
+    from hybridserve.workers.runner.model_runner import ModelRunner, RunnerOutput
 
 GREEDY = SamplingRow(0.0, 1.0, None, (0,))
 
@@ -75,7 +75,7 @@ def mtp_drafts(
     last = out[batch.logits_indices]
     drafts = {
         chunk.request_id: [token]
-        for chunk, token in zip(proposing, _argmax(model, last), strict=True)
+        for chunk, token in zip(proposing, _argmax(runner, last), strict=True)
     }
     # Chained steps, one row per request, as far as its block table reaches.
     for step in range(1, num_drafts):
@@ -100,15 +100,56 @@ def mtp_drafts(
         batch, _ = runner.build_batch(rows_now, runner.device)
         last = mtp(step, model.embed(batch.input_ids), last[going], batch, caches)
         proposing = [proposing[i] for i in going]
-        for chunk, token in zip(proposing, _argmax(model, last), strict=True):
+        for chunk, token in zip(proposing, _argmax(runner, last), strict=True):
             drafts[chunk.request_id].append(token)
     return drafts
 
 
-def _argmax(model: torch.nn.Module, hidden: torch.Tensor) -> list[int]:
-    logits = model.compute_logits(hidden)
-    assert logits is not None, "MTP runs at tensor_parallel_size 1"
-    return logits.argmax(dim=-1).tolist()
+def _argmax(runner: ModelRunner, hidden: torch.Tensor) -> list[int]:
+    """Each row's most likely token, on every rank (the logits are gathered to rank 0, which
+    shares its argmax)."""
+    logits = runner.model.compute_logits(hidden)
+    tokens = (
+        logits.argmax(dim=-1)
+        if logits is not None
+        else torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+    )
+    return _from_driver(runner, tokens).tolist()
+
+
+def shared_samples(
+    runner: ModelRunner,
+    items: list[ScheduledChunk],
+    order: list[int],
+    output: RunnerOutput | None,
+) -> list[Sample | None]:
+    """Item i's sample (`items[i]` is plan chunk `order[i]`) on every rank: what the MTP
+    layers read of it (the drafts that stood, the new token) comes from rank 0, the one that
+    sampled."""
+    table = torch.full((len(items), 2), -1, dtype=torch.int64, device=runner.device)
+    if output is not None:
+        for i in range(len(items)):
+            sample = output.samples[order[i]]
+            if sample is not None:
+                table[i, 0], table[i, 1] = len(sample.accepted), sample.token_ids[0]
+    table = _from_driver(runner, table + 1) - 1  # zeros elsewhere: shift -1 out of them
+    samples: list[Sample | None] = []
+    for item, (num_accepted, token) in zip(items, table.tolist(), strict=True):
+        if token < 0:
+            samples.append(None)
+            continue
+        samples.append(Sample((token,), accepted=tuple(item.draft_token_ids[:num_accepted])))
+    return samples
+
+
+def _from_driver(runner: ModelRunner, tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank (the others pass zeros of its shape)."""
+    collectives = runner.parallel.collectives
+    if runner.parallel.tp_size == 1 or collectives is None:
+        return tensor
+    if not runner.parallel.is_driver:
+        tensor = torch.zeros_like(tensor)
+    return collectives.all_reduce(tensor)
 
 
 def _following_tokens(item: ScheduledChunk, sample: Sample | None) -> list[int]:

@@ -224,17 +224,22 @@ def test_greedy_tokens_with_mtp_drafts_equal_the_plain_engine_s(mtp_checkpoint, 
         assert_pools_at_baseline(llm.engine)
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"tensor_parallel_size": 2}, "colocated engines of tensor_parallel_size 1"),
-        ({"role": "decode"}, "colocated engines of tensor_parallel_size 1"),
-    ],
-)
-def test_mtp_speculation_is_refused_where_it_cannot_run(mtp_checkpoint, options, message):
+def test_greedy_tokens_with_mtp_drafts_at_tp2_equal_tp1_without(mtp_checkpoint):
+    """Every rank runs its shard of the MTP layers on the tokens rank 0 sampled and guessed."""
     _, folder, _, _ = mtp_checkpoint
-    with pytest.raises(ValueError, match=message):
-        LLM(str(folder), speculative_config=MTP, **ENGINE | options)
+    prompts = random_prompts([23, 9], seed=4)
+    with LLM(str(folder), **ENGINE) as plain:
+        reference = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(str(folder), speculative_config=MTP, tensor_parallel_size=2, **ENGINE) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, False)] == reference
+        assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
+        llm.engine.check_integrity()
+
+
+def test_mtp_speculation_is_refused_on_a_disaggregated_engine(mtp_checkpoint):
+    _, folder, _, _ = mtp_checkpoint
+    with pytest.raises(ValueError, match="runs on colocated engines"):
+        LLM(str(folder), speculative_config=MTP, role="decode", **ENGINE)
 
 
 def test_mtp_speculation_needs_a_checkpoint_with_mtp_layers(tmp_path):
@@ -255,9 +260,9 @@ def test_the_first_drafts_are_the_reference_s_chained_guesses(mtp_checkpoint, mo
     seen: list[torch.Tensor] = []
     argmax = mtp_drafts_module._argmax
 
-    def recording(model, hidden):
-        seen.append(model.compute_logits(hidden))
-        return argmax(model, hidden)
+    def recording(runner, hidden):
+        seen.append(runner.model.compute_logits(hidden))
+        return argmax(runner, hidden)
 
     monkeypatch.setattr(mtp_drafts_module, "_argmax", recording)
     request_id = engine.add_request(prompt, GREEDY)
