@@ -224,6 +224,13 @@ class ServiceConfig(BaseModel):
         overrides = self.prefill_engine if role == "prefill" else self.decode_engine
         defaults: dict[str, Any] = {} if role == "prefill" else {"snapshot_turn_end": True}
         fields = defaults | self.engine | overrides
+        decode_spec = (self.engine | self.decode_engine).get("speculative_config") or {}
+        if isinstance(decode_spec, BaseModel):
+            decode_spec = decode_spec.model_dump()
+        if role == "prefill" and decode_spec.get("method") == "mtp":
+            # Decode engines guessing with MTP layers need their KV over the prompt, and
+            # their first guesses, from the prefill engine: it runs them too.
+            fields["speculative_config"] = decode_spec
         if fields.get("tensor_parallel_size", 1) > 1:
             # The service's engines span rank actors (cluster/control/rank_actors.py).
             fields.setdefault("distributed_executor_backend", "ray")

@@ -31,7 +31,7 @@ from hybridserve.transceiver.layout import PeerLayout
 # 4: SamplingState carries the n > 1 choices' seeds and first tokens, and first-token logprobs.
 # 5: links open with a Challenge; Hello carries a nonce and a proof of the deployment's secret.
 # 6: layouts describe recurrent state as a kind and its named tensors (any recurrent kind).
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # The largest message accepted from an authenticated peer (a TransferRequest carries the
 # prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -92,6 +92,9 @@ class SamplingState:
     choice_seeds: list[int] = field(default_factory=list)
     fork_token_ids: list[int] = field(default_factory=list)
     first_logprobs: list[list[Any]] = field(default_factory=list)
+    # Speculative decoding with MTP layers: the sender's guesses of the tokens after the
+    # first, which the receiver verifies in its first step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

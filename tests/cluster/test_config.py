@@ -19,6 +19,18 @@ def test_roles_get_their_overrides_and_tensor_parallel_engines_run_on_rank_actor
     assert not prefill.snapshot_turn_end and decode.snapshot_turn_end
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_prefill_engines_run_the_mtp_layers_their_decode_engines_guess_with(method):
+    """MTP on the decode engines needs the layers' KV over the prompt and the first guesses
+    from the prefill engine, which therefore runs them too; other methods stay decode-only."""
+    spec = {"method": method, "num_speculative_tokens": 2}
+    config = ServiceConfig(decode_engine={"speculative_config": spec})
+    prefill, decode = config.engine_config("prefill"), config.engine_config("decode")
+    assert decode.num_checkpoint_slots == decode.max_num_seqs
+    assert prefill.runs_mtp_layers == (method == "mtp")
+    assert prefill.num_checkpoint_slots == 0  # a prefill engine never verifies drafts
+
+
 def test_defaults_take_one_gpu_per_rank_on_gpus_and_no_cpu_for_a_single_rank_engine():
     config = ServiceConfig(**TP_ROLES)
     assert config.resource_demand(cluster_gpus=8) == {

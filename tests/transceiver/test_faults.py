@@ -38,7 +38,8 @@ from hybridserve.transceiver.base import RegionCopy, TransferBackend
 from hybridserve.transceiver.channel import TransferFailed
 from hybridserve.transceiver.faults import FaultInjectingBackend, WrappedBackend
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
-from tests.helpers import assert_pools_at_baseline
+from tests.helpers import assert_pools_at_baseline, make_hf_model
+from tests.mtp import MTP_SPECULATION, add_mtp_layers
 from tests.transceiver.link import (
     ENGINE_ARGS,
     GREEDY,
@@ -80,6 +81,35 @@ def test_an_fp8_kv_cache_crosses_and_equals_colocated_fp8(make_link, checkpoint,
     assert [o.status for o in outcomes] == ["acked"] * len(SPECS)
     finished = link.decode_all()
     assert {rid: o.token_ids for rid, o in finished.items()} == colocated_tokens(checkpoint, **fp8)
+    link.assert_at_baseline()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_mtp_layers_kv_and_first_guesses_cross_and_equal_colocated(
+    make_link, tmp_path_factory, backend
+):
+    """Both engines run a checkpoint's MTP layers: their KV over the prompt crosses with the
+    blocks, the prefill engine's first guesses with the request, and the decode engine
+    verifies them in its first step; the tokens are the colocated plain engine's."""
+    folder = tmp_path_factory.mktemp("mtp")
+    hf_model = make_hf_model("qwen3_5")
+    hf_model.save_pretrained(folder)
+    add_mtp_layers("qwen3_5", hf_model, folder)
+    args = {"model": str(folder), "speculative_config": MTP_SPECULATION}
+    link = make_link(backend=backend, prefill_args=args, decode_args=args)
+    assert link.decode.layout.num_attention_layers == 3  # the model's two and the MTP one
+    outcomes = link.transfer(SPECS)
+    assert [o.status for o in outcomes] == ["acked"] * len(SPECS)
+    received = [link.decode.requests[spec.request_id] for spec in SPECS]
+    assert all(request.speculation.pending for request in received)
+    finished = {rid: out.token_ids for rid, out in link.decode_all().items()}
+    # Sampled rows draw as a colocated engine speculating the same way; greedy ones as one
+    # that does not speculate at all.
+    assert finished == colocated_tokens(str(folder), speculative_config=MTP_SPECULATION)
+    plain = colocated_tokens(str(folder))
+    greedy = [spec.request_id for spec in SPECS if spec.params["temperature"] == 0.0]
+    assert [finished[rid] for rid in greedy] == [plain[rid] for rid in greedy]
+    assert link.decode.scheduler.speculator.stats.num_draft_tokens > 0
     link.assert_at_baseline()
 
 

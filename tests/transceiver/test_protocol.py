@@ -72,6 +72,7 @@ MESSAGES = [
             params={"temperature": 0.75, "top_p": 0.9, "max_tokens": 12, "stop": ["\n"]},
             sample_seed=2**63 - 1,
             stop_token_ids=[0, 2],
+            draft_token_ids=[7, 7, 1],
         ),
         num_cached_tokens=16,
         compatibility_hash="f" * 32,
@@ -127,19 +128,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 6, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 7, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "06"  # "v": 6
+        "a176" "07"  # "v": 7
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 6,
+        "v": 7,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -153,7 +154,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(5, "protocol version 5 is not 6"), (None, "protocol version None")]
+    ("version", "shown"), [(6, "protocol version 6 is not 7"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))

@@ -78,6 +78,9 @@ def test_invalid_transfer_requests_are_rejected_and_hold_nothing(make_link, expe
         ("invalid_request", _sampling(message, sample_seed="not a seed")),
         ("invalid_request", _sampling(message, stop_token_ids=["eos"])),
         ("invalid_request", _sampling(message, stop_token_ids=7)),
+        # MTP guesses are tokens too: one outside the vocabulary would index past the rows.
+        ("invalid_request", _sampling(message, draft_token_ids=[3, 128])),
+        ("invalid_request", _sampling(message, draft_token_ids=5)),
     ]
     with link.decode_lock:
         free = (link.decode.cache.num_free_blocks, link.decode.cache.num_free_slots)

@@ -271,6 +271,13 @@ class EngineConfig(BaseModel):
         return self.max_num_seqs
 
     @property
+    def runs_mtp_layers(self) -> bool:
+        """Whether the checkpoint's multi-token-prediction layers load and run (their KV
+        layers join the pool; a prefill engine runs them too, to hand over their KV and first
+        guesses)."""
+        return self.speculative_config is not None and self.speculative_config.method == "mtp"
+
+    @property
     def num_checkpoint_slots(self) -> int:
         """Speculative decoding: a slot per running request for its state before a verify
         step, copied back when a draft is rejected (a prefill engine never verifies)."""

@@ -40,7 +40,12 @@ from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.precision import resolve_precision
 from hybridserve.workers.speculative.draft_model import DraftModelProposer, check_draft_model
 from hybridserve.workers.speculative.mtp import MTPProposer
-from hybridserve.workers.speculative.proposer import NgramProposer, Proposer, Speculator
+from hybridserve.workers.speculative.proposer import (
+    NgramProposer,
+    Proposer,
+    Speculator,
+    hold_drafts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,19 +164,14 @@ class Engine:
         )
 
     def _check_mtp(self, config: EngineConfig) -> None:
-        """Refuse MTP speculation where it cannot run, before anything starts."""
+        """Refuse MTP speculation on a checkpoint without the layers, before anything
+        starts."""
         if not self.model_config.num_mtp_steps:
             raise ValueError(
                 f"speculative_config: method 'mtp' needs the checkpoint's multi-token-"
                 f"prediction layers, and {config.model} declares none (Qwen3.5: "
                 "mtp_num_hidden_layers; Qwen3-Next: num_nextn_predict_layers; NemotronH: "
                 "mtp_hybrid_override_pattern)"
-            )
-        if config.role != "colocated":
-            raise ValueError(
-                "speculative_config: method 'mtp' runs on colocated engines in this release "
-                f"(this one's role is {config.role!r}: its MTP layers would need the other "
-                "engine's hidden states); use 'ngram' or 'draft_model' on a disaggregated one"
             )
 
     def _speculator(self) -> Speculator | None:
@@ -391,10 +391,11 @@ class Engine:
                 item.request.record_prompt_logprobs(scored)
         outputs = ended
         for request_id, drafts in result.drafts.items():
-            # MTP guesses for the next step, made after this one (its tokens appended below).
+            # MTP guesses for the next step, made after this one (its tokens appended below;
+            # a prefill engine hands them over with the request).
             request = self.requests.get(request_id)
             if request is not None:
-                self.scheduler.speculator.hold(request, drafts)  # type: ignore[union-attr]
+                hold_drafts(request, drafts)
         for request in self.scheduler.update(out, result.samples):
             outputs.append(self._output(request))
             if request.is_finished:

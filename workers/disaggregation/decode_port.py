@@ -24,6 +24,7 @@ from hybridserve.workers.core.outputs import RequestOutput, TokenLogprobs
 from hybridserve.workers.core.request import Request
 from hybridserve.workers.core.sampling_params import SamplingParams
 from hybridserve.workers.core.scheduler import Scheduler
+from hybridserve.workers.speculative.proposer import hold_drafts
 
 if TYPE_CHECKING:
     from hybridserve.workers.core.engine import Engine
@@ -202,17 +203,27 @@ class DecodePort:
                 f"{self.max_model_len}",
             )
         sampling = message.sampling
-        lists = (sampling.stop_token_ids, sampling.choice_seeds, sampling.fork_token_ids)
+        lists = (
+            sampling.stop_token_ids,
+            sampling.choice_seeds,
+            sampling.fork_token_ids,
+            sampling.draft_token_ids,
+        )
         if not all(isinstance(v, list) for v in (*lists, sampling.first_logprobs)):
             raise TransferRejected(
                 "invalid_request",
-                f"request {request_id}: stop_token_ids, choice_seeds, fork_token_ids and "
-                "first_logprobs must be lists",
+                f"request {request_id}: stop_token_ids, choice_seeds, fork_token_ids, "
+                "draft_token_ids and first_logprobs must be lists",
             )
         bad = next(
             (
                 t
-                for t in (*prompt, message.first_token, *sampling.fork_token_ids)
+                for t in (
+                    *prompt,
+                    message.first_token,
+                    *sampling.fork_token_ids,
+                    *sampling.draft_token_ids,
+                )
                 if not isinstance(t, int) or not 0 <= t < self.vocab_size
             ),
             None,
@@ -280,6 +291,8 @@ class DecodePort:
         else:
             request.fork_logprobs = (None,) * len(request.fork_token_ids)
         request.num_cached_tokens = message.num_cached_tokens
+        if sampling.draft_token_ids:
+            hold_drafts(request, list(sampling.draft_token_ids))
         reserved = self.cache.allocate_received(request, message.block_hashes, len(prompt))
         if reserved is None:
             raise TransferRejected(

@@ -18,14 +18,16 @@ def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -
     tp = config.tensor_parallel_size
     model_id = hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:16]
     kv_heads = local_kv_heads(attention, tp) if attention else 0
+    # Running MTP layers add theirs after the model's: their KV blocks move too.
+    layer_kinds = model.layer_kinds
+    if config.runs_mtp_layers:
+        layer_kinds += model.mtp_layer_kinds * model.num_mtp_steps
     return PeerLayout(
         model_id=model_id,
         tp_size=tp,
         tp_rank=rank,
-        layer_kinds=model.layer_kinds,
-        kv_heads_per_layer=tuple(
-            kv_heads if kind == "attention" else 0 for kind in model.layer_kinds
-        ),
+        layer_kinds=layer_kinds,
+        kv_heads_per_layer=tuple(kv_heads if kind == "attention" else 0 for kind in layer_kinds),
         num_kv_heads=attention.num_kv_heads if attention else 0,
         block_size=config.block_size,
         head_dim=attention.head_dim if attention else 0,

@@ -78,6 +78,9 @@ class PrefillPort:
                 first_logprobs=[
                     lp.to_wire() for lp in (*request.logprobs, *request.fork_logprobs) if lp
                 ],
+                draft_token_ids=(
+                    list(request.speculation.pending) if request.speculation is not None else []
+                ),
             ),
             num_cached_tokens=request.num_cached_tokens,
             compatibility_hash=self.compatibility_hash,

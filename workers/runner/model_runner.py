@@ -100,10 +100,9 @@ class ModelRunner:
         self.device = resolve_device(config.device, index)
         self.dtype = model_dtype(config)
         self.model_config: HybridModelConfig = checkpoint.config
-        spec = config.speculative_config
         # Speculative decoding with the checkpoint's multi-token-prediction layers: they load,
         # and their attention layers take KV layers after the model's own.
-        self.uses_mtp = spec is not None and spec.method == "mtp"
+        self.uses_mtp = config.runs_mtp_layers
         self.model = load_model(
             checkpoint,
             dtype=self.dtype,

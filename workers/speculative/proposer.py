@@ -73,6 +73,14 @@ class RequestSpeculation:
     next_pause: int = FIRST_PAUSE
 
 
+def hold_drafts(request: Request, drafts: list[int]) -> None:
+    """Guesses made for the request's next step (MTP: at the end of this one, or by the
+    prefill engine that handed it over)."""
+    if request.speculation is None:
+        request.speculation = RequestSpeculation()
+    request.speculation.pending = drafts
+
+
 class Speculator:
     def __init__(
         self, config: SpeculativeConfig, proposer: Proposer, max_batch_size: int | None
@@ -110,10 +118,6 @@ class Speculator:
                 guesses = guesses[: grammar.valid_prefix(guesses)]
             drafts[index] = guesses
         return drafts
-
-    def hold(self, request: Request, drafts: list[int]) -> None:
-        """Guesses made for the request's next step (MTP: at the end of this one)."""
-        self._state(request).pending = drafts
 
     def _state(self, request: Request) -> RequestSpeculation:
         if request.speculation is None:

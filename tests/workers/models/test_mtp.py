@@ -11,15 +11,12 @@ names the families' checkpoints use."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from hybridserve.workers import LLM, Engine, EngineConfig, SamplingParams
 from hybridserve.workers.core.step_plan import ScheduledChunk
@@ -28,89 +25,9 @@ from hybridserve.workers.models.loader import open_checkpoint, read_model_config
 from hybridserve.workers.runner import mtp_drafts as mtp_drafts_module
 from hybridserve.workers.runner.model_runner import ModelRunner
 from tests.helpers import assert_pools_at_baseline, make_hf_model, random_prompts
+from tests.mtp import MTP_SPECULATION, QWEN, add_mtp_layers
 
 BLOCK = 8
-QWEN = ("qwen3_5", "qwen3_next")  # Qwen3.5 with a dense MTP layer, Qwen3-Next with a MoE one
-
-
-def _randomize(module: nn.Module, generator: torch.Generator) -> None:
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-
-
-def add_mtp_layers(arch: str, hf_model: Any, folder: Path) -> dict[str, Any]:
-    """Random MTP layers for `hf_model`, written into its checkpoint in `folder` under the
-    family's names (and declared in its config.json); the modules, for the reference."""
-    config = hf_model.config
-    config._attn_implementation = "eager"
-    hidden = config.hidden_size
-    generator = torch.Generator().manual_seed(5)
-    if arch in QWEN:
-        if arch == "qwen3_5":
-            from transformers.models.qwen3_5.modeling_qwen3_5 import (
-                Qwen3_5DecoderLayer as DecoderLayer,
-            )
-            from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm as Norm
-        else:
-            from transformers.models.qwen3_next.modeling_qwen3_next import (
-                Qwen3NextDecoderLayer as DecoderLayer,
-            )
-            from transformers.models.qwen3_next.modeling_qwen3_next import (
-                Qwen3NextRMSNorm as Norm,
-            )
-        # A full-attention layer (Qwen3-Next's first one has a MoE FFN, as its MTP layer).
-        full_attention = config.layer_types.index("full_attention")
-        parts = {
-            "enorm": Norm(hidden, config.rms_norm_eps),
-            "hnorm": Norm(hidden, config.rms_norm_eps),
-            "fc": nn.Linear(2 * hidden, hidden, bias=False),
-            "layers": [DecoderLayer(config, full_attention)],
-            "final": Norm(hidden, config.rms_norm_eps),
-        }
-        names = {
-            "enorm": "mtp.pre_fc_norm_embedding",
-            "hnorm": "mtp.pre_fc_norm_hidden",
-            "fc": "mtp.fc",
-            "layers": ["mtp.layers.0"],
-            "final": "mtp.norm",
-        }
-        declared = {"mtp_num_hidden_layers" if arch == "qwen3_5" else "num_nextn_predict_layers": 1}
-    else:
-        from transformers.models.nemotron_h.modeling_nemotron_h import (
-            NemotronHBlock,
-            NemotronHRMSNorm,
-        )
-
-        kinds = config.layers_block_type
-        blocks = [kinds.index("full_attention"), kinds.index("moe")]
-        parts = {
-            "enorm": NemotronHRMSNorm(hidden, config.layer_norm_epsilon),
-            "hnorm": NemotronHRMSNorm(hidden, config.layer_norm_epsilon),
-            "fc": nn.Linear(2 * hidden, hidden, bias=False),
-            "layers": [NemotronHBlock(config, index) for index in blocks],
-            "final": NemotronHRMSNorm(hidden, config.layer_norm_epsilon),
-        }
-        names = {
-            "enorm": "mtp.layers.0.enorm",
-            "hnorm": "mtp.layers.0.hnorm",
-            "fc": "mtp.layers.0.eh_proj",
-            "layers": ["mtp.layers.0", "mtp.layers.1"],
-            "final": "mtp.layers.1.final_layernorm",
-        }
-        declared = {"mtp_hybrid_override_pattern": "*E", "num_nextn_predict_layers": 1}
-    tensors = load_file(str(folder / "model.safetensors"))
-    for key in ("enorm", "hnorm", "fc", "final"):
-        _randomize(parts[key], generator)
-        tensors[f"{names[key]}.weight"] = parts[key].weight.detach().clone()
-    for layer, prefix in zip(parts["layers"], names["layers"], strict=True):
-        _randomize(layer, generator)
-        for name, tensor in layer.state_dict().items():
-            tensors[f"{prefix}.{name}"] = tensor.detach().clone()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(raw | declared))
-    return parts
 
 
 @torch.no_grad()
@@ -201,12 +118,7 @@ ENGINE = {
     "enable_prefix_caching": False,
 }
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-MTP = {
-    "method": "mtp",
-    "num_speculative_tokens": 3,
-    "disable_below_acceptance": 0.0,
-    "disable_by_batch_size": 64,
-}
+MTP = MTP_SPECULATION
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
@@ -234,12 +146,6 @@ def test_greedy_tokens_with_mtp_drafts_at_tp2_equal_tp1_without(mtp_checkpoint):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, False)] == reference
         assert llm.engine.scheduler.speculator.stats.num_draft_tokens > 0
         llm.engine.check_integrity()
-
-
-def test_mtp_speculation_is_refused_on_a_disaggregated_engine(mtp_checkpoint):
-    _, folder, _, _ = mtp_checkpoint
-    with pytest.raises(ValueError, match="runs on colocated engines"):
-        LLM(str(folder), speculative_config=MTP, role="decode", **ENGINE)
 
 
 def test_mtp_speculation_needs_a_checkpoint_with_mtp_layers(tmp_path):
