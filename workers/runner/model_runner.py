@@ -278,13 +278,26 @@ class ModelRunner:
             if logits is not None:
                 output = self.sample(items, order, logits, row_ranges)
         if self.uses_mtp:
-            spec = self.config.speculative_config
-            assert spec is not None
-            samples = shared_samples(self, items, order, output)
-            drafts = mtp_drafts(self, items, samples, hidden, spec.num_speculative_tokens)
-            if output is not None:
-                output.drafts = drafts
+            self.propose_with_mtp(items, order, output, hidden)
         return output
+
+    def propose_with_mtp(
+        self,
+        items: list[ScheduledChunk],
+        order: list[int],
+        output: RunnerOutput | None,
+        hidden: torch.Tensor,
+    ) -> None:
+        """The MTP layers' guesses after this step (runner/mtp_drafts.py), into `output`
+        (rank 0's; None on the others, which run their shard of the layers all the same).
+        `hidden`: the step's final-normed hidden states, `items[i]` (plan chunk `order[i]`)
+        owning the next `num_tokens` rows."""
+        spec = self.config.speculative_config
+        assert spec is not None
+        samples = shared_samples(self, items, order, output)
+        drafts = mtp_drafts(self, items, samples, hidden, spec.num_speculative_tokens)
+        if output is not None:
+            output.drafts = drafts
 
     def sample(
         self,

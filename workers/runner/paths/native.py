@@ -75,8 +75,6 @@ class NativePath(ForwardPath):
             return f"{type(runner.model).__name__} is not a hybrid model"
         if _decode_step_kernel() is None:
             return f"the C kernel did not build (no compiler, or {BACKEND_ENV})"
-        if runner.uses_mtp:
-            return "MTP speculation reads the hidden states, which the C step keeps to itself"
         return None
 
     def prepare(self) -> str | None:
@@ -99,12 +97,13 @@ class NativePath(ForwardPath):
         for chunk in chunks:
             first = ranges[-1][1] + 1 if ranges else 0
             ranges.append((first, first + chunk.num_tokens - 1))
+        order = list(range(len(chunks)))
         if all(
             c.sampling is not None and all(is_plain_greedy(row) for row in c.sampling_rows)
             for c in chunks
         ):
             tokens = self.step(chunks).greedy_token_ids
-            return RunnerOutput(
+            output = RunnerOutput(
                 [
                     settle(
                         greedy_samples(tokens[last - len(c.draft_rows) : last + 1]),
@@ -113,8 +112,12 @@ class NativePath(ForwardPath):
                     for c, (_, last) in zip(chunks, ranges, strict=True)
                 ]
             )
-        logits = self.step(chunks).logits
-        return self.runner.sample(chunks, list(range(len(chunks))), logits, ranges)
+        else:
+            output = self.runner.sample(chunks, order, self.step(chunks).logits, ranges)
+        if self.runner.uses_mtp:
+            hidden = self._normed[: ranges[-1][1] + 1].clone()
+            self.runner.propose_with_mtp(chunks, order, output, hidden)
+        return output
 
     def _describe(self, model: HybridForCausalLM, caches: StateCaches) -> None:
         """The model's and the pools' table for the C side; raises `Unsupported` (with the
@@ -130,7 +133,12 @@ class NativePath(ForwardPath):
         projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
         mixed = max((_mixed_size(sublayer.op) for sublayer in model.layers), default=1)
         sizes = (config.hidden_size, config.hidden_size, projected, mixed)
-        scratch = [self._scratch(MAX_ROWS * size) for size in sizes]
+        buffers = [torch.empty(MAX_ROWS * size, dtype=torch.float32) for size in sizes]
+        self._keep += buffers
+        scratch = [self._pointer(buffer) for buffer in buffers]
+        # The rows' final-normed hidden states once a step is done (the LM head's input):
+        # what MTP layers read.
+        self._normed = buffers[1].view(MAX_ROWS, config.hidden_size)
         self.model_table = Model(
             num_layers=len(layers),
             hidden_size=config.hidden_size,
@@ -222,11 +230,6 @@ class NativePath(ForwardPath):
             tensor = tensor.contiguous()
             self._keep.append(tensor)
         return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctypes.c_float))
-
-    def _scratch(self, size: int) -> ctypes._Pointer:
-        buffer = torch.empty(size, dtype=torch.float32)
-        self._keep.append(buffer)
-        return self._pointer(buffer)
 
     def _linear(self, module: PackableLinear) -> Linear:
         """A linear layer's table: its float weight, or its FP8 bytes and scales."""
