@@ -140,12 +140,16 @@ def compare(
     counts: dict[str, int] = {}
     for llm in engines.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    speculator = engines["speculative"].engine.scheduler.speculator
+    assert speculator is not None
     for _ in range(args.repeats):
         for name, llm in engines.items():
+            replayed_before = speculator.num_replayed_tokens
             elapsed, tokens[name], run_counts = run(llm, prompts)
             best[name] = min(best[name], elapsed)
             if name == "speculative":
-                counts = run_counts
+                counts = run_counts | {"replayed": speculator.num_replayed_tokens - replayed_before}
+    copy_us = checkpoint_copy_us(engines["speculative"])
     for llm in engines.values():
         llm.shutdown()
     total = OUTPUT_TOKENS * len(prompts)
@@ -157,8 +161,25 @@ def compare(
         "acceptance_rate": counts["accepted_tokens"] / max(counts["draft_tokens"], 1),
         "tokens_per_verify_step": 1 + counts["accepted_tokens"] / max(counts["drafts"], 1),
         "verify_steps": counts["drafts"],
+        # Checkpoint and replay: the tokens computed again after rollbacks, per output token,
+        # and one checkpoint copy (every verify step makes one, every rollback one more).
+        "replayed_tokens_per_output_token": counts["replayed"] / total,
+        "checkpoint_copy_us": copy_us,
         "same_tokens": tokens["plain"] == tokens["speculative"],
     }
+
+
+def checkpoint_copy_us(llm: LLM, repeats: int = 200) -> float:
+    """Microseconds one state slot copy takes on this engine (best of `repeats`): what a
+    verify step's checkpoint and a rollback's restore each cost."""
+    memory = llm.engine.executor.driver.memory
+    assert memory is not None
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        memory.copy_slot(0, 1)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
 
 
 def report(row: dict[str, Any], concurrency: int) -> None:
@@ -166,7 +187,9 @@ def report(row: dict[str, Any], concurrency: int) -> None:
         f"{row['workload']:26s} x{concurrency}: plain {row['plain_tok_s']:7.1f} tok/s, "
         f"speculative {row['speculative_tok_s']:7.1f} tok/s, {row['ratio']:.2f}x, "
         f"acceptance {row['acceptance_rate']:.2f}, "
-        f"{row['tokens_per_verify_step']:.2f} tokens/verify, same tokens: {row['same_tokens']}"
+        f"{row['tokens_per_verify_step']:.2f} tokens/verify, "
+        f"{row['replayed_tokens_per_output_token']:.2f} replayed/token, "
+        f"copy {row['checkpoint_copy_us']:.0f} us, same tokens: {row['same_tokens']}"
     )
 
 

@@ -378,15 +378,21 @@ class Scheduler:
             ),
             len(tokens),
         )
-        if len(sample.accepted) == num_drafts and kept >= num_drafts:
+        rolled_back = not (len(sample.accepted) == num_drafts and kept >= num_drafts)
+        if rolled_back:
+            self.cache.rollback(request)
+        else:
             request.num_computed_tokens += item.num_new_tokens
             self.cache.release_checkpoint(request)
-        else:
-            self.cache.rollback(request)
-        assert self.speculator is not None
-        self.speculator.record(request, num_drafts, len(sample.accepted))
         for token, token_logprobs in zip(tokens[:kept], logprobs[:kept], strict=True):
             self._append(request, token, token_logprobs)
+        # What the replay costs: the known tokens and accepted drafts this step computed,
+        # computed again by the next (none once the request ended).
+        replayed = 0
+        if rolled_back and not request.is_finished:
+            replayed = item.num_new_tokens - num_drafts + len(sample.accepted)
+        assert self.speculator is not None
+        self.speculator.record(request, num_drafts, len(sample.accepted), replayed)
 
     def _append(
         self,

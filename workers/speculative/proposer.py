@@ -73,12 +73,17 @@ class RequestSpeculation:
     next_pause: int = FIRST_PAUSE
 
 
+def speculation_of(request: Request) -> RequestSpeculation:
+    """The request's speculation state, made on first use."""
+    if request.speculation is None:
+        request.speculation = RequestSpeculation()
+    return request.speculation
+
+
 def hold_drafts(request: Request, drafts: list[int]) -> None:
     """Guesses made for the request's next step (MTP: at the end of this one, or by the
     prefill engine that handed it over)."""
-    if request.speculation is None:
-        request.speculation = RequestSpeculation()
-    request.speculation.pending = drafts
+    speculation_of(request).pending = drafts
 
 
 class Speculator:
@@ -91,6 +96,10 @@ class Speculator:
         self.max_batch_size = max_batch_size
         self.stats = SpeculationStats()  # the engine's, since start
         self.num_paused = 0  # pauses started, since start
+        # Rolled-back verify steps, and the tokens they computed that the next step computes
+        # again (the price of checkpoint-and-replay), since start.
+        self.num_rollbacks = 0
+        self.num_replayed_tokens = 0
 
     def drafts(self, batch: list[tuple[Request, int]], batch_size: int) -> list[list[int]]:
         """Per (request, limit): the drafts it verifies this step, at most `limit` (what its
@@ -101,7 +110,7 @@ class Speculator:
             return drafts
         asked: list[int] = []
         for index, (request, limit) in enumerate(batch):
-            state = self._state(request)
+            state = speculation_of(request)
             if state.paused_steps:
                 state.paused_steps -= 1
             elif min(limit, self.config.num_speculative_tokens) > 0:
@@ -119,11 +128,6 @@ class Speculator:
             drafts[index] = guesses
         return drafts
 
-    def _state(self, request: Request) -> RequestSpeculation:
-        if request.speculation is None:
-            request.speculation = RequestSpeculation()
-        return request.speculation
-
     def dropped(self, request: Request) -> None:
         """The request's drafts were proposed but will not be verified (no room)."""
         self.proposer.verified(request, 0)
@@ -131,10 +135,15 @@ class Speculator:
     def release(self, request: Request) -> None:
         self.proposer.release(request)
 
-    def record(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
-        """A verify step's outcome; pauses the request when its acceptance is too low."""
+    def record(
+        self, request: Request, num_draft_tokens: int, num_accepted: int, replayed: int
+    ) -> None:
+        """A verify step's outcome (`replayed`: tokens to compute again after a rollback);
+        pauses the request when its acceptance is too low."""
         state = request.speculation
         assert state is not None
+        self.num_rollbacks += replayed > 0
+        self.num_replayed_tokens += replayed
         self.proposer.verified(request, num_accepted)
         state.stats.record(num_draft_tokens, num_accepted)
         self.stats.record(num_draft_tokens, num_accepted)

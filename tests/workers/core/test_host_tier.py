@@ -61,7 +61,9 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tp, options):
         (out,) = with_host.generate([extended], GREEDY)
         assert out.num_cached_tokens == 200  # its prompt-end snapshot, restored from the host
         assert memory.host.kv is not None and memory.host.kv.dtype == memory.device.kv.dtype
-        without = LLM("tiny", enable_prefix_caching=False, **SMALL)
+        # The oracle: no reuse, the same cache dtype, no speculation.
+        plain = {key: value for key, value in small.items() if key not in SPECULATIVE}
+        without = LLM("tiny", enable_prefix_caching=False, **plain)
         assert out.token_ids == without.generate([extended], GREEDY)[0].token_ids
         assert_pools_at_baseline(with_host.engine)
         assert cache.attention.host.ids.num_free == cache.attention.host.ids.size
