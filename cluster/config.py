@@ -90,6 +90,11 @@ class ServiceConfig(BaseModel):
         description="API key -> tenant: tenants never share cached prefixes (a key not "
         "listed is its own tenant)",
     )
+    metrics_require_api_key: bool = Field(
+        False,
+        description="whether GET /metrics needs one of api_keys; off by default, as in vLLM: "
+        "Prometheus scrapers carry no key, and the page holds counts, not content",
+    )
     engine_actor_options: dict[str, Any] | None = Field(
         None,
         description="Ray actor options of each engine of one rank; default {'num_cpus': 0}, "

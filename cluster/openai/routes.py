@@ -170,8 +170,10 @@ class OpenAIServer:
         return models_list([(await self._model())["model_id"]])
 
     async def scrape(self, request: Request) -> Response:
-        """The Prometheus page: this replica's request metrics, the engines' and the index's."""
-        self._tenant(request)
+        """The Prometheus page: this replica's request metrics, the engines' and the index's
+        (behind the API key only with metrics_require_api_key)."""
+        if self.config.metrics_require_api_key:
+            self._tenant(request)
         await self._model()
         assert self.metrics is not None
         stats = await self.service.stats()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -170,3 +172,36 @@ def test_registries_are_private():
 def test_token_buckets():
     assert token_buckets(64) == (1, 2, 5, 10, 20, 50)
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+class _Service:
+    """The routes' view of a service, for the page alone (no engines behind it)."""
+
+    async def model(self) -> dict:
+        return {"model_id": "tiny", "max_model_len": 64, "vocab_size": 259, "eos_token_ids": []}
+
+    async def stats(self) -> dict:
+        return {"engines": {}, "router": {"num_blocks": 0, "num_snapshots": 0}}
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_the_page_needs_an_api_key_only_when_configured(required):
+    """Prometheus scrapers carry no key: /metrics answers without one unless
+    metrics_require_api_key (the API's routes need one whenever keys are set)."""
+    from starlette.requests import Request
+
+    from hybridserve.cluster.config import ServiceConfig
+    from hybridserve.cluster.openai.protocol import OpenAIError
+    from hybridserve.cluster.openai.routes import OpenAIServer
+
+    config = ServiceConfig(api_keys=["k"], metrics_require_api_key=required)
+    server = OpenAIServer(config, _Service())
+    anonymous = Request({"type": "http", "method": "GET", "path": "/metrics", "headers": []})
+    if required:
+        with pytest.raises(OpenAIError, match="missing API key"):
+            asyncio.run(server.scrape(anonymous))
+    else:
+        page = asyncio.run(server.scrape(anonymous))
+        assert b"hybridserve:prompt_tokens_total" in page.body
+    with pytest.raises(OpenAIError, match="missing API key"):
+        asyncio.run(server.models(anonymous))
