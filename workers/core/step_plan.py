@@ -72,6 +72,11 @@ class SamplingRow:
     num_logprobs: int | None = None  # return the drawn token's logprob and the top N
 
 
+# Plain greedy sampling, for the engine's own guesses (a draft model's, MTP layers'): the
+# token is the argmax, so no seed matters.
+GREEDY_ROW = SamplingRow(0.0, 1.0, None, (0,))
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     request_id: str

@@ -24,12 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridserve.workers.core.outputs import Sample
-from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk
+from hybridserve.workers.core.step_plan import GREEDY_ROW, ScheduledChunk
 
 if TYPE_CHECKING:
     from hybridserve.workers.runner.model_runner import ModelRunner, RunnerOutput
-
-GREEDY = SamplingRow(0.0, 1.0, None, (0,))
 
 
 @torch.inference_mode()
@@ -57,7 +55,7 @@ def mtp_drafts(
                 item.start,
                 item.block_ids,
                 item.slot,
-                None if sample is None else GREEDY,
+                None if sample is None else GREEDY_ROW,
             )
             catch_up.append((chunk, list(range(offset, offset + len(following)))))
         offset += item.num_tokens
@@ -93,7 +91,7 @@ def mtp_drafts(
                 proposing[i].end + step - 1,
                 proposing[i].block_ids,
                 proposing[i].slot,
-                GREEDY,
+                GREEDY_ROW,
             )
             for i in going
         ]

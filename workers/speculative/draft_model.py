@@ -24,12 +24,10 @@ from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.request import Request
 from hybridserve.workers.core.sampling_params import SamplingParams
-from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from hybridserve.workers.core.step_plan import GREEDY_ROW, ScheduledChunk, StepPlan
 from hybridserve.workers.executors.executor import UniExecutor
 from hybridserve.workers.models.loader import open_checkpoint, read_model_config
 from hybridserve.workers.speculative.proposer import Proposer
-
-GREEDY = SamplingRow(0.0, 1.0, None, (0,))
 
 
 def check_draft_model(model: str, vocab_size: int, max_model_len: int) -> None:
@@ -159,7 +157,7 @@ class DraftModelProposer(Proposer):
                 start=shadow.num_computed_tokens,
                 block_ids=list(self.cache.block_table(shadow.request_id)),
                 slot=self.cache.live_slot(shadow.request_id),
-                sampling=GREEDY,
+                sampling=GREEDY_ROW,
             )
             for shadow, chunk in zip(shadows, tokens, strict=True)
         ]
