@@ -11,8 +11,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from hybridserve.cluster.openai.reasoning_parsers import REASONING_PARSERS
+from hybridserve.cluster.openai.tool_parsers import FORMATS
 from hybridserve.cluster.routing.router import RouterConfig
 from hybridserve.workers.core.config import EngineConfig
 
@@ -94,6 +104,24 @@ class ServiceConfig(BaseModel):
         False,
         description="whether GET /metrics needs one of api_keys; off by default, as in vLLM: "
         "Prometheus scrapers carry no key, and the page holds counts, not content",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="a chat template (a file, or the template itself) instead of the "
+        "checkpoint's own",
+    )
+    tool_call_parser: str = Field(
+        "auto",
+        description="how tool calls are read from the output: hermes, qwen3_coder, "
+        "nemotron_json; 'auto': the one format the chat template writes; 'none': tools refused",
+    )
+    enable_auto_tool_choice: bool = Field(
+        True, description="whether tool_choice 'auto' (the default with tools) is served"
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="how reasoning is split from the answer: think (also named qwen3, "
+        "deepseek_r1); 'auto': think where the chat template writes <think>; 'none': off",
     )
     engine_actor_options: dict[str, Any] | None = Field(
         None,
@@ -185,6 +213,26 @@ class ServiceConfig(BaseModel):
         description="requests that may wait beyond what the decode engines run at once "
         "(max_num_seqs each); more get 429 with Retry-After; None: no limit",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_is_readable(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+        return path.read_text()
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str, info: ValidationInfo) -> str:
+        known = FORMATS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if value not in ("auto", "none", *known):
+            raise ValueError(
+                f"{info.field_name} {value!r} is not one of auto, none, {', '.join(known)}"
+            )
+        return value
 
     @field_validator("engine", "prefill_engine", "decode_engine")
     @classmethod

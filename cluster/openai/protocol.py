@@ -31,6 +31,7 @@ from hybridserve.workers.core.sampling_params import SamplingParams, StructuredO
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20  # per token, as vLLM's default max_logprobs
 MAX_CHOICES = 128
+MAX_BATCH_PROMPTS = 256  # prompts of one /v1/completions request
 
 # ----------------------------------------------------------------------------------------------
 # Errors
@@ -160,6 +161,35 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of json (a schema), json_object, regex, choice or
+    grammar (EBNF/GBNF or Lark). Its backend-tuning fields are refused in openai_body unless
+    unset."""
+
+    model_config = _REQUEST_CONFIG
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraints(self) -> list[tuple[str, StructuredOutput]]:
+        given = []
+        if self.json_ is not None:
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            given.append(("json", StructuredOutput(kind="json_schema", spec=schema)))
+        if self.json_object:
+            given.append(("json_object", StructuredOutput(kind="json")))
+        if self.regex is not None:
+            given.append(("regex", StructuredOutput(kind="regex", spec=self.regex)))
+        if self.choice is not None:
+            given.append(("choice", StructuredOutput(kind="choice", spec=json.dumps(self.choice))))
+        if self.grammar is not None:
+            given.append(("grammar", StructuredOutput(kind="grammar", spec=self.grammar)))
+        return [(f"structured_outputs.{name}", spec) for name, spec in given]
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extensions."""
 
@@ -197,6 +227,11 @@ class _GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # SGLang's names: a regex, an EBNF grammar, a JSON Schema (as text or an object).
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -261,8 +296,18 @@ class _GenerationRequest(BaseModel):
         return None if constraint is None else constraint[1]
 
     def output_constraint(self) -> tuple[str, StructuredOutput] | None:
-        """The output constraint and the parameter that gave it, from response_format or
-        vLLM's guided_* (one at most)."""
+        """The output constraint and the parameter that gave it (one at most)."""
+        given = self._constraints()
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise OpenAIError(
+                400, f"give one output constraint, not several ({names}).", param=given[1][0]
+            )
+        return given[0] if given else None
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """Every output constraint the request gives, with the parameter that gives it:
+        response_format, vLLM's structured_outputs and guided_*, SGLang's."""
         given: list[tuple[str, StructuredOutput]] = []
         form = self.response_format
         if form is not None and form.type == "json_object":
@@ -283,12 +328,17 @@ class _GenerationRequest(BaseModel):
         if self.guided_grammar is not None:
             grammar = self.guided_grammar
             given.append(("guided_grammar", StructuredOutput(kind="grammar", spec=grammar)))
-        if len(given) > 1:
-            names = ", ".join(name for name, _ in given)
-            raise OpenAIError(
-                400, f"give one output constraint, not several ({names}).", param=given[1][0]
-            )
-        return given[0] if given else None
+        if self.structured_outputs is not None:
+            given.extend(self.structured_outputs.constraints())
+        if self.regex is not None:
+            given.append(("regex", StructuredOutput(kind="regex", spec=self.regex)))
+        if self.ebnf is not None:
+            given.append(("ebnf", StructuredOutput(kind="grammar", spec=self.ebnf)))
+        if self.json_schema is not None:
+            spec = self.json_schema
+            text = spec if isinstance(spec, str) else json.dumps(spec)
+            given.append(("json_schema", StructuredOutput(kind="json_schema", spec=text)))
+        return given
 
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = []
@@ -391,7 +441,8 @@ class CompletionRequest(_GenerationRequest):
 
     _prompt_param: ClassVar[str] = "prompt"
 
-    prompt: str | list[int]
+    # One prompt or a batch (OpenAI's four shapes), as a list of prompts: text or token ids.
+    prompt: list[str | list[int]]
     max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -406,26 +457,29 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        # OpenAI also takes a batch (a list of strings or of token-id lists); we take one prompt.
-        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-            if len(value) > 1:
-                raise ValueError(
-                    f"prompt holds {len(value)} prompts, but batched prompts are not supported; "
-                    "send one prompt per request."
-                )
-            value = value[0]
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("prompt must be a string or a list of token ids.")
-        if not value:
-            raise ValueError("prompt must not be an empty list.")
-        for position, token_id in enumerate(value):
-            if type(token_id) is not int:
-                raise ValueError(
-                    f"prompt token ids must be integers, got {token_id!r} at position {position}."
-                )
+    def _prompts(cls, value: Any) -> Any:
+        if isinstance(value, str) or (
+            isinstance(value, list) and value and not isinstance(value[0], (str, list))
+        ):
+            value = [value]  # one prompt: text, or token ids
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string, a list of token ids, or a list of those.")
+        if len(value) > MAX_BATCH_PROMPTS:
+            raise ValueError(
+                f"prompt holds {len(value)} prompts; at most {MAX_BATCH_PROMPTS} per request."
+            )
+        for index, prompt in enumerate(value):
+            where = f"prompt {index}" if len(value) > 1 else "prompt"
+            if isinstance(prompt, str):
+                continue
+            if not isinstance(prompt, list) or not prompt:
+                raise ValueError(f"{where} must be a string or a non-empty list of token ids.")
+            for position, token_id in enumerate(prompt):
+                if type(token_id) is not int:
+                    raise ValueError(
+                        f"{where}: token ids must be integers, got {token_id!r} at position "
+                        f"{position}."
+                    )
         return value
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
@@ -445,44 +499,59 @@ class CompletionRequest(_GenerationRequest):
     def scoring_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(
-        self, vocab_size: int, max_model_len: int, prompt_len: int
-    ) -> SamplingParams:
-        # NOTE: an out-of-vocabulary id would index past the embedding table
-        # (docs/failure-handling.md).
-        if isinstance(self.prompt, list):
-            for token_id in self.prompt:
-                if not 0 <= token_id < vocab_size:
-                    raise OpenAIError(
-                        400,
-                        f"prompt contains token id {token_id}, which is outside the vocabulary "
-                        f"[0, {vocab_size}).",
-                        param="prompt",
-                    )
-        return super().to_sampling_params(vocab_size, max_model_len, prompt_len)
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """A 400 for a token id outside the vocabulary, which would index past the embedding
+    table (docs/failure-handling.md)."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIError(
+                400,
+                f"{param} contains token id {token_id}, which is outside the vocabulary "
+                f"[0, {vocab_size}).",
+                param=param,
+            )
 
 
-class ChatMessage(BaseModel):
-    """One chat turn; `content` is text, or text parts joined with newlines (as vLLM does)."""
+class FunctionCall(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's tool call, as an earlier reply returned it."""
 
     model_config = _REQUEST_CONFIG
 
-    role: Literal["system", "developer", "user", "assistant"]
-    # NOTE: validated when absent too, so a message without content is refused by name.
-    content: str = Field(None, validate_default=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; `content` is text, or text parts joined with newlines (as vLLM does).
+    An assistant turn may carry tool calls (and then no content); a tool turn answers one."""
+
+    model_config = _REQUEST_CONFIG
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # An earlier assistant turn's reasoning, as replies return it (templates may render it).
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
-        if value is None:
-            raise ValueError("content is required: every message carries text.")
         if not isinstance(value, list):
             return value
         texts = []
         for index, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(
                     f"content part {index} has type {kind!r}, but only text parts "
@@ -493,12 +562,83 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("assistant tool_calls are not supported (tool calling is off).")
-        return value
+    @model_validator(mode="after")
+    def _check_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them, not {self.role}.")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers.")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required: every message carries text.")
+        return self
+
+    def template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (HF's shape): tool-call arguments as
+        objects, so that templates can walk them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments, index, number),
+                    },
+                }
+                for number, call in enumerate(self.tool_calls)
+            ]
+        return message
+
+
+def _arguments(text: str, message: int, call: int) -> dict[str, Any]:
+    param = f"messages[{message}].tool_calls[{call}].function.arguments"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OpenAIError(400, f"{param} is not JSON: {exc}", param=param) from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"{param} must be a JSON object.", param=param)
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    # NOTE: any JSON Schema object; no parameters: a function without arguments.
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -511,24 +651,44 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Templates: another one for this request, and variables for it (vLLM's); OpenAI's
+    # reasoning_effort reaches templates that read it.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true.")
-        if self.tools:
-            raise ValueError(
-                "tools: tool calling is not supported by this server (the built-in parsers "
-                "cover no tool format yet); send the request without tools."
-            )
-        if self.tool_choice not in (None, "none"):
-            raise ValueError(
-                f"tool_choice {self.tool_choice!r} needs tools, which are not supported."
-            )
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name.")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, which "
+                    "is not among the tools."
+                )
+        elif self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools.")
         return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How this request uses its tools (OpenAI's default: auto with tools, else none)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def tool_schemas(self) -> dict[str, dict[str, Any]]:
+        return {tool.function.name: tool.function.parameters for tool in self.tools or ()}
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -538,9 +698,66 @@ class ChatCompletionRequest(_GenerationRequest):
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as the chat template takes it: [{"role", "content"}]."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        given = super()._constraints()
+        if self.tool_mode in ("required", "named"):
+            schema = forced_tool_schema(self)
+            given.append(("tool_choice", StructuredOutput(kind="json_schema", spec=schema)))
+        return given
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it (HF's message dicts)."""
+        return [m.template_message(i) for i, m in enumerate(self.messages)]
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the template renders with besides the messages: the tools (unless the
+        request chose none), `chat_template_kwargs` and `reasoning_effort`."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.tool_mode != "none":
+            variables["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
+
+
+def forced_tool_schema(body: ChatCompletionRequest) -> str:
+    """What `required` and a named function constrain the output to, as vLLM does: a named
+    function's arguments object, or a list of `{"name", "parameters"}` calls of the tools
+    (one only without parallel_tool_calls). `chat_output.ForcedToolCalls` reads it back."""
+    schemas = body.tool_schemas()
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return json.dumps(schemas[body.tool_choice.function.name])
+    calls = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, parameters in schemas.items()
+        ]
+    }
+    array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+    if not body.parallel_tool_calls:
+        array["maxItems"] = 1
+    return json.dumps(array)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize for a prompt (chat messages parse as a chat request)."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    prompt: str | list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ alone, although the engine generated one token for it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
+from hybridserve.cluster.openai.chat_output import ChatOutputParser, MessageDelta
 from hybridserve.cluster.openai.choices import (
     ChoiceDelta,
     ChoiceStream,
@@ -35,9 +36,17 @@ class Reply:
     whole body or as stream chunks (completions' echo puts the prompt first)."""
 
     def __init__(
-        self, tokenizer: Any, body: Any, request: GenerateRequest, meta: ResponseMeta
+        self,
+        tokenizer: Any,
+        body: Any,
+        request: GenerateRequest,
+        meta: ResponseMeta,
+        parsers: Sequence[ChatOutputParser] = (),
     ) -> None:
+        """`parsers`: one per choice of a chat request, reading its text as a message."""
         self.tokenizer = tokenizer
+        self.parsers = list(parsers)
+        self.called = [False] * len(self.parsers)  # whether a choice has made tool calls
         self.body_request = body
         self.request = request
         self.meta = meta
@@ -62,6 +71,10 @@ class Reply:
         )
 
     @property
+    def include_usage(self) -> bool:
+        return self.body_request.include_usage
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.request.params.logprobs is not None
 
@@ -78,6 +91,16 @@ class Reply:
         if delta.finish_reason is not None:
             self.finish[i] = delta.finish_reason
 
+    def _finish_reason(
+        self, index: int, reason: str | None, message: MessageDelta | None
+    ) -> str | None:
+        """OpenAI's "tool_calls" for a choice that ended on its own after calling tools."""
+        if message is not None and message.tool_calls:
+            self.called[index] = True
+        if reason == "stop" and self.parsers and self.called[index]:
+            return "tool_calls"
+        return reason
+
     def usage(self) -> Usage:
         completion = 0 if self.body_request.scoring_only else self.stats.num_tokens
         return Usage(len(self.request.prompt_token_ids), completion, self.stats.num_cached_tokens)
@@ -90,12 +113,16 @@ class Reply:
                 "".join(self.texts[i]), self.token_ids[i], self.logprobs[i]
             )
             entries = self._logprobs(token_ids, logprobs, prompt=self.echo)
+            message = None
+            if self.parsers:
+                message = self.parsers[i].feed(text).then(self.parsers[i].finish())
             choices.append(
                 choice(
                     self.meta,
                     i,
                     self.prompt_text + text,
-                    self.finish[i],
+                    self._finish_reason(i, self.finish[i], message),
+                    message=message,
                     logprobs=entries,
                     token_ids=token_ids if self.body_request.return_token_ids else None,
                     prompt_token_ids=prompt_ids if self.body_request.return_token_ids else None,
@@ -163,8 +190,15 @@ class Reply:
         self.token_ids[i].extend(delta.token_ids)
         self.logprobs[i].extend(delta.logprobs or [])
         first = not self.started[i]
-        ready = bool(self.token_ids[i]) and not delta.holding
-        if not (delta.text or delta.finish_reason is not None or first or ready):
+        holding, visible, message = delta.holding, bool(delta.text), None
+        if self.parsers:
+            parser = self.parsers[i]
+            message = parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                message = message.then(parser.finish())
+            holding, visible = holding or parser.holding, bool(message)
+        ready = bool(self.token_ids[i]) and not holding
+        if not (visible or delta.finish_reason is not None or first or ready):
             return None
         self.started[i] = True
         token_ids, self.token_ids[i] = self.token_ids[i], []
@@ -183,7 +217,8 @@ class Reply:
                 self.meta,
                 i,
                 (self.prompt_text if echo else "") + text,
-                delta.finish_reason,
+                self._finish_reason(i, delta.finish_reason, message),
+                message=message,
                 stream=True,
                 first=first,
                 logprobs=entries,
@@ -199,3 +234,35 @@ class Reply:
             usage = Usage(len(self.request.prompt_token_ids), self.num_sent[i], cached)
             chunk["usage"] = usage.to_dict()
         return chunk
+
+
+class BatchReply:
+    """The answer to a /v1/completions request with several prompts, each run as a request
+    of its own (`Reply`): prompt i's choice j is choice i * n + j, usage is the sum."""
+
+    def __init__(self, meta: ResponseMeta, replies: list[Reply], n: int) -> None:
+        self.meta = meta
+        self.replies = replies
+        self.n = n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.replies[0].include_usage
+
+    def usage(self) -> Usage:
+        parts = [reply.usage() for reply in self.replies]
+        return Usage(
+            sum(u.prompt_tokens for u in parts),
+            sum(u.completion_tokens for u in parts),
+            sum(u.cached_tokens for u in parts),
+        )
+
+    def _renumbered(self, prompt: int, part: dict[str, Any]) -> list[dict[str, Any]]:
+        return [c | {"index": prompt * self.n + c["index"]} for c in part["choices"]]
+
+    def chunk(self, prompt: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        return chunk | {"id": self.meta.id, "choices": self._renumbered(prompt, chunk)}
+
+    def body(self, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        choices = [c for i, part in enumerate(bodies) for c in self._renumbered(i, part)]
+        return response_body(self.meta, choices, self.usage())

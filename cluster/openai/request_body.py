@@ -43,20 +43,16 @@ _REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((None, False), "stored completions are not supported"),
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
-    # Structured output under today's names (vLLM's `structured_outputs`, SGLang's) is not
-    # read yet: use response_format or guided_json / guided_regex / guided_choice /
-    # guided_grammar, which are.
-    "structured_outputs": (
-        (None,),
-        "structured_outputs is not supported yet; use "
-        "response_format or guided_json / guided_regex / guided_choice",
-    ),
-    "regex": ((None,), "regex is not supported; use guided_regex"),
-    "ebnf": ((None,), "ebnf grammars are not supported; use guided_grammar (Lark)"),
-    "json_schema": ((None,), "json_schema is not supported; use response_format"),
-    # Reasoning parsers are not in yet: the model's output is all content.
+    # Reasoning parsers split the reasoning off; a budget would need the engine to end it.
     "thinking_token_budget": ((None,), "reasoning budgets are not supported"),
-    "include_reasoning": ((None, False), "reasoning output is not separated from the content"),
+}
+# vLLM's structured_outputs fields that tune its backends; llguidance has its own defaults.
+_REFUSED_STRUCTURED_OUTPUTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "disable_fallback": ((False, None), "there is one structured-output backend"),
+    "disable_any_whitespace": ((False, None), "JSON output is always compact"),
+    "disable_additional_properties": ((False, None), "schemas are applied as given"),
+    "whitespace_pattern": ((None,), "JSON output is always compact"),
+    "structural_tag": ((None,), "structural tags are not supported"),
 }
 _REFUSED_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported by these models"),
@@ -64,16 +60,13 @@ _REFUSED_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "echo is supported on /v1/completions only"),
-    "functions": ((None, []), "functions is deprecated; tool calling is not supported"),
-    "function_call": ((None, "none"), "function_call is deprecated; tool calling is not supported"),
+    "functions": ((None, []), "functions is deprecated; send tools"),
+    "function_call": ((None, "none"), "function_call is deprecated; send tool_choice"),
     "modalities": ((None, ["text"]), "only text output is supported"),
     "audio": ((None,), "audio output is not supported"),
-    "reasoning_effort": ((None,), "reasoning_effort is not supported"),
     "web_search_options": ((None,), "web search is not supported"),
     "add_generation_prompt": ((True,), "add_generation_prompt=false is not supported"),
     "continue_final_message": ((False,), "continue_final_message is not supported"),
-    "chat_template": ((None,), "the model's own chat template is always used"),
-    "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
     "documents": ((None, []), "documents are not supported"),
     "add_special_tokens": ((False,), "add_special_tokens=true is not supported for chat"),
 }
@@ -131,9 +124,18 @@ def _check_text(text: str, path: str) -> None:
 def refuse_unsupported(data: dict[str, Any], *, chat: bool) -> None:
     """A 400 naming the first known parameter that is set but has no effect here."""
     refused = _REFUSED_COMMON | (_REFUSED_CHAT if chat else _REFUSED_COMPLETIONS)
+    _refuse(data, refused, "")
+    nested = data.get("structured_outputs")
+    if isinstance(nested, dict):
+        _refuse(nested, _REFUSED_STRUCTURED_OUTPUTS, "structured_outputs.")
+
+
+def _refuse(
+    data: dict[str, Any], refused: dict[str, tuple[tuple[Any, ...], str]], prefix: str
+) -> None:
     for name, (defaults, why) in refused.items():
         if name in data and not any(_same(data[name], d) for d in defaults):
-            raise OpenAIError(400, f"{name}: {why}.", param=name)
+            raise OpenAIError(400, f"{prefix}{name}: {why}.", param=prefix + name)
 
 
 def _same(value: Any, default: Any) -> bool:

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hybridserve.cluster.openai.chat_output import MessageDelta
 from hybridserve.cluster.openai.protocol import OpenAIError
 from hybridserve.workers.core.outputs import TokenLogprobs
 
-OpenAIFinishReason = Literal["stop", "length"]  # the engine's "abort"/"error" become error events
+# The engine's "abort" and "error" become error events.
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +79,19 @@ def choice(
     logprobs: dict[str, Any] | None = None,
     token_ids: Sequence[int] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
+    message: MessageDelta | None = None,
 ) -> dict[str, Any]:
     """One choice of a body (`stream` False) or of a chunk; the first chat chunk of a choice
-    carries `role`. With return_token_ids: `token_ids` (this choice's, or this delta's) and,
-    for completions, `prompt_token_ids`."""
-    if meta.chat and stream:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        body: dict[str, Any] = {"index": index, "delta": delta}
-    elif meta.chat:
-        body = {"index": index, "message": {"role": "assistant", "content": text}}
+    carries `role`. A chat choice's `message` (its text read by the output parsers) gives its
+    reasoning and tool calls; without one, `text` is its content. With return_token_ids:
+    `token_ids` (this choice's, or this delta's) and, for completions, `prompt_token_ids`."""
+    if meta.chat:
+        parts = message if message is not None else MessageDelta(content=text)
+        fields = _message_fields(parts, stream=stream, first=first)
+        if stream:
+            body: dict[str, Any] = {"index": index, "delta": fields}
+        else:
+            body = {"index": index, "message": fields}
     else:
         body = {"index": index, "text": text}
     body |= {"logprobs": logprobs, "finish_reason": finish_reason}
@@ -94,6 +100,25 @@ def choice(
     if prompt_token_ids is not None and not meta.chat:
         body["prompt_token_ids"] = list(prompt_token_ids)
     return body
+
+
+def _message_fields(parts: MessageDelta, *, stream: bool, first: bool) -> dict[str, Any]:
+    """An assistant message, or a stream delta of one (OpenAI's shape, with vLLM's
+    `reasoning_content`): content is null beside tool calls with no text."""
+    fields: dict[str, Any] = {"role": "assistant"} if first or not stream else {}
+    if parts.content or not (parts.reasoning or parts.tool_calls):
+        fields["content"] = parts.content
+    elif not stream:
+        fields["content"] = None
+    if parts.reasoning:
+        fields["reasoning_content"] = parts.reasoning
+    if parts.tool_calls:
+        if stream:
+            offset = parts.first_call_index
+            fields["tool_calls"] = [c.to_openai(offset + i) for i, c in enumerate(parts.tool_calls)]
+        else:
+            fields["tool_calls"] = [c.to_openai() for c in parts.tool_calls]
+    return fields
 
 
 def response_body(

@@ -15,10 +15,11 @@ the Serve deployment (cluster/control/app.py) binds to its replica's server.
 # NOTE: no `from __future__ import annotations`: FastAPI reads the route signatures of a
 # Serve ingress class at runtime and would not see `Request` behind a string annotation.
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
@@ -28,19 +29,24 @@ from pydantic import ValidationError
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.metrics import ServiceMetrics
+from hybridserve.cluster.openai.chat_output import ChatOutputParser, ChatParsing
 from hybridserve.cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
+    check_token_ids,
     derive_cache_salt,
     model_not_found,
     validation_error,
 )
-from hybridserve.cluster.openai.reply import Reply
+from hybridserve.cluster.openai.reply import BatchReply, Reply
 from hybridserve.cluster.openai.request_body import parse_json_object, refuse_unsupported
 from hybridserve.cluster.openai.response_body import (
     SSE_DONE,
     ResponseMeta,
+    Usage,
     models_list,
     sse_error,
     sse_event,
@@ -49,10 +55,13 @@ from hybridserve.cluster.openai.response_body import (
 from hybridserve.cluster.routing.router import RouteRefused
 from hybridserve.workers.core.sampling_params import SamplingParams
 from hybridserve.workers.core.structured_output import GrammarCompiler
-from hybridserve.workers.core.tokenizer import ChatPrompt
+from hybridserve.workers.core.tokenizer import ChatPrompt, ChatTemplateError
 from hybridserve.workers.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# What the server renders a chat template with itself: not a request's to set.
+RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 api = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
 
@@ -94,6 +103,9 @@ class OpenAIServer:
         self.service = service
         self.keys = config.accepted_keys()
         self.tokenizer = load_tokenizer(config.model)  # not the weights
+        if self.tokenizer is not None and config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
+        self.parsing = self._parsing(self.tokenizer.chat_template if self.tokenizer else None)
         self._grammars: GrammarCompiler | None = None
         self.metrics: ServiceMetrics | None = None
 
@@ -128,22 +140,32 @@ class OpenAIServer:
         raise OpenAIError(401, "invalid API key", code="invalid_api_key")
 
     async def _body(self, request: Request, model: type[Any]) -> Any:
+        data = await self._json(request)
+        refuse_unsupported(data, chat=model is ChatCompletionRequest)
+        parsed = self._parse(data, model)
+        await self._check_model(parsed)
+        return parsed
+
+    async def _json(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > self.config.max_request_bytes:
             raise OpenAIError(
                 413,
                 f"request body is {len(raw)} bytes; the limit is {self.config.max_request_bytes}",
             )
-        data = parse_json_object(raw)
-        refuse_unsupported(data, chat=model is ChatCompletionRequest)
+        return parse_json_object(raw)
+
+    @staticmethod
+    def _parse(data: dict[str, Any], model: type[Any]) -> Any:
         try:
-            parsed = model.model_validate(data)
+            return model.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
+
+    async def _check_model(self, body: Any) -> None:
         model_id = (await self._model())["model_id"]
-        if parsed.model is not None and parsed.model != model_id:
-            raise model_not_found(parsed.model)
-        return parsed
+        if body.model is not None and body.model != model_id:
+            raise model_not_found(body.model)
 
     async def _check_structured_output(self, params: SamplingParams, body: Any) -> None:
         """Compile the output constraint here too: a bad schema is the client's 400, before
@@ -186,27 +208,115 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body = await self._body(request, CompletionRequest)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise OpenAIError(
-                    400, "this model has no tokenizer: send token ids", param="prompt"
-                )
-            prompt_ids = self.tokenizer.encode(prompt)
+        prompts = [ChatPrompt(await self._prompt_ids(p, "prompt")) for p in body.prompt]
+        if len(prompts) == 1:
+            return await self._serve(body, prompts[0], tenant, chat=False)
+        return await self._serve_batch(body, prompts, tenant)
+
+    async def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """A prompt's token ids: text tokenized, ids checked against the vocabulary."""
+        if isinstance(prompt, list):
+            check_token_ids(prompt, (await self._model())["vocab_size"], param)
+            return list(prompt)
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer: send token ids", param=param)
+        return self.tokenizer.encode(prompt)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's POST /tokenize: a prompt, or chat messages through the template (with the
+        chat request's tools and template fields), as token ids."""
+        self._tenant(request)
+        data = await self._json(request)
+        if "messages" in data:
+            body = self._parse(data, ChatCompletionRequest)
+            token_ids = self._render(body)[0].token_ids
         else:
-            prompt_ids = list(prompt)
-        return await self._serve(body, ChatPrompt(prompt_ids), tenant, chat=False)
+            body = self._parse(data, TokenizeRequest)
+            token_ids = await self._prompt_ids(body.prompt, "prompt")
+        await self._check_model(body)
+        model = await self._model()
+        limit = model["max_model_len"]
+        return {"count": len(token_ids), "max_model_len": limit, "tokens": token_ids}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's POST /detokenize: token ids as text."""
+        self._tenant(request)
+        body = self._parse(await self._json(request), DetokenizeRequest)
+        await self._check_model(body)
+        check_token_ids(body.tokens, (await self._model())["vocab_size"], "tokens")
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
         body = await self._body(request, ChatCompletionRequest)
+        chat, parsing = self._render(body)
+        parsers = [parsing.parser(body, chat.text or "") for _ in range(body.n)]
+        return await self._serve(body, chat, tenant, chat=True, parsers=parsers)
+
+    def _render(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, ChatParsing]:
+        """The request's prompt through its chat template, with its tools and variables, and
+        the parsers of its output (read from a request's own template where configured
+        "auto"); a 400 for a variable the template never reads, and for tools the parsers
+        cannot read back from the output."""
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer or chat template")
         try:
-            chat = self.tokenizer.render_chat(body.template_messages())
+            template = self.tokenizer.template(body.chat_template)
+        except ChatTemplateError as exc:
+            param = "chat_template" if body.chat_template is not None else "messages"
+            raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+        variables = body.template_variables()
+        if body.tool_mode != "auto" and "tools" in variables and not template.reads("tools"):
+            del variables["tools"]  # a forced choice's constraint does not need the template
+        for name in variables:
+            if name in RENDER_VARIABLES:
+                raise OpenAIError(
+                    400,
+                    f"chat_template_kwargs: {name!r} is set by the server.",
+                    param="chat_template_kwargs",
+                )
+            if not template.reads(name):
+                param = name if name in ("tools", "reasoning_effort") else "chat_template_kwargs"
+                raise OpenAIError(
+                    400,
+                    f"{param}: the chat template never reads {name!r}, so it would have no effect.",
+                    param=param,
+                )
+        parsing = self.parsing
+        if body.chat_template is not None:
+            parsing = self._parsing(body.chat_template)
+        if body.tool_mode == "auto":
+            if parsing.tool_format is None:
+                raise OpenAIError(
+                    400,
+                    "tools: no tool-call parser is set for this model (tool_call_parser), so "
+                    "its calls could not be read; use tool_choice 'required' or a named "
+                    "function, which need none.",
+                    param="tools",
+                )
+            if not parsing.auto_tool_choice:
+                raise OpenAIError(
+                    400,
+                    "tool_choice: 'auto' is off on this server (enable_auto_tool_choice).",
+                    param="tool_choice",
+                )
+        try:
+            chat = self.tokenizer.render_chat(
+                body.template_messages(), chat_template=body.chat_template, **variables
+            )
         except ValueError as exc:
             raise OpenAIError(400, f"the chat template failed: {exc}", param="messages") from None
-        return await self._serve(body, chat, tenant, chat=True)
+        return chat, parsing
+
+    def _parsing(self, template: str | None) -> ChatParsing:
+        return ChatParsing.resolve(
+            template,
+            tool_call_parser=self.config.tool_call_parser,
+            reasoning_parser=self.config.reasoning_parser,
+            auto_tool_choice=self.config.enable_auto_tool_choice,
+        )
 
     # ---- one request ----------------------------------------------------------------------
 
@@ -217,14 +327,32 @@ class OpenAIServer:
         tenant: str | None,
         *,
         chat: bool,
+        parsers: Sequence[ChatOutputParser] = (),
     ) -> Response:
+        reply, events = await self._start(body, prompt, tenant, chat=chat, parsers=parsers)
+        if body.stream:
+            return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
+        return JSONResponse(await self._collect(events, reply))
+
+    async def _start(
+        self,
+        body: Any,
+        prompt: ChatPrompt,
+        tenant: str | None,
+        *,
+        chat: bool,
+        parsers: Sequence[ChatOutputParser] = (),
+        meta: ResponseMeta | None = None,
+    ) -> tuple[Reply, AsyncIterator[TokenEvent]]:
+        """The request admitted (its first event awaited: a refusal is a 429 or 503 here),
+        with the reply that will shape its events."""
         model = await self._model()
         params = body.to_sampling_params(
             model["vocab_size"], model["max_model_len"], len(prompt.token_ids)
         )
         await self._check_structured_output(params, body)
         # One id: the client's response id is the engines' request id (logs, aborts).
-        meta = ResponseMeta.new(model["model_id"], chat=chat)
+        meta = meta or ResponseMeta.new(model["model_id"], chat=chat)
         request = GenerateRequest(
             request_id=meta.id,
             prompt_token_ids=prompt.token_ids,
@@ -233,14 +361,70 @@ class OpenAIServer:
             stable_prompt_len=prompt.stable_len,
             system_prompt_len=prompt.system_len,
         )
-        reply = Reply(self.tokenizer, body, request, meta)
+        reply = Reply(self.tokenizer, body, request, meta, parsers)
         events = self.service.events(request)
         if self.config.request_timeout_s is not None:
             events = within_deadline(events, self.config.request_timeout_s, request.request_id)
-        events = await _admitted(events)
+        return reply, await _admitted(events)
+
+    async def _serve_batch(
+        self, body: CompletionRequest, prompts: list[ChatPrompt], tenant: str | None
+    ) -> Response:
+        """Several prompts of one /v1/completions request, run side by side as requests of
+        their own: choice i * n + j is prompt i's choice j (as in vLLM), usage is summed. If
+        one is refused, the others are aborted and the refusal is the answer."""
+        model = await self._model()
+        meta = ResponseMeta.new(model["model_id"], chat=False)
+        started: list[tuple[Reply, AsyncIterator[TokenEvent]]] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                part = dataclasses.replace(meta, id=f"{meta.id}-{index}")
+                started.append(await self._start(body, prompt, tenant, chat=False, meta=part))
+        except BaseException:
+            for _, events in started:
+                await events.aclose()
+            raise
+        batch = BatchReply(meta, [reply for reply, _ in started], body.n)
         if body.stream:
-            return StreamingResponse(self._sse(events, reply), media_type="text/event-stream")
-        return JSONResponse(await self._collect(events, reply))
+            frames = self._sse_batch(started, batch)
+            return StreamingResponse(frames, media_type="text/event-stream")
+        bodies = await asyncio.gather(*(self._collect(events, reply) for reply, events in started))
+        return JSONResponse(batch.body(bodies))
+
+    async def _sse_batch(
+        self, started: list[tuple[Reply, AsyncIterator[TokenEvent]]], batch: BatchReply
+    ) -> AsyncIterator[str]:
+        """The prompts' chunks as they come, each choice under its batch index."""
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, reply: Reply, events: AsyncIterator[TokenEvent]) -> None:
+            try:
+                async for chunk in self._chunks(events, reply):
+                    await queue.put((index, chunk))
+            except Exception as exc:
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        async def merged() -> AsyncIterator[dict[str, Any]]:
+            tasks = [asyncio.ensure_future(pump(i, *part)) for i, part in enumerate(started)]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    index, item = await queue.get()
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield batch.chunk(index, item)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        async for frame in _sse_frames(merged(), batch, batch.meta.id):
+            yield frame
 
     def _observe(self, reply: Reply, start: float) -> None:
         if self.metrics is not None:
@@ -270,27 +454,56 @@ class OpenAIServer:
             self._observe(reply, start)
         return reply.body()
 
-    async def _sse(self, events: AsyncIterator[TokenEvent], reply: Reply) -> AsyncIterator[str]:
+    async def _chunks(
+        self, events: AsyncIterator[TokenEvent], reply: Reply
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The request's stream chunks; its events are closed (and it is counted) at the end."""
         start = time.monotonic()
         try:
             async for delta in reply.deltas(events):
                 chunk = reply.chunk(delta)
                 if chunk is not None:
-                    yield sse_event(chunk)
-            if reply.body_request.include_usage:
-                yield sse_event(usage_chunk(reply.meta, reply.usage()))
-            yield SSE_DONE
-        except OpenAIError as exc:
-            yield sse_error(exc)  # mid-stream failure: an error event and no [DONE]
-        except asyncio.CancelledError:
-            logger.info("request %s: client disconnected", reply.request.request_id)
-            raise
-        except Exception as exc:
-            logger.exception("request %s failed mid-stream", reply.request.request_id)
-            yield sse_error(OpenAIError(500, f"the request failed: {exc}", type="server_error"))
+                    yield chunk
         finally:
             await events.aclose()
             self._observe(reply, start)
+
+    def _sse(self, events: AsyncIterator[TokenEvent], reply: Reply) -> AsyncIterator[str]:
+        return _sse_frames(self._chunks(events, reply), reply, reply.request.request_id)
+
+
+class _Streamed(Protocol):
+    """What a stream's end needs of its reply (`Reply`, `BatchReply`)."""
+
+    meta: ResponseMeta
+
+    @property
+    def include_usage(self) -> bool: ...
+
+    def usage(self) -> Usage: ...
+
+
+async def _sse_frames(
+    chunks: AsyncIterator[dict[str, Any]], reply: _Streamed, request_id: str
+) -> AsyncIterator[str]:
+    """Server-sent events: the chunks, the usage chunk when asked for, then [DONE]; a failure
+    midway is one error event and no [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+        if reply.include_usage:
+            yield sse_event(usage_chunk(reply.meta, reply.usage()))
+        yield SSE_DONE
+    except OpenAIError as exc:
+        yield sse_error(exc)
+    except asyncio.CancelledError:
+        logger.info("request %s: client disconnected", request_id)
+        raise
+    except Exception as exc:
+        logger.exception("request %s failed mid-stream", request_id)
+        yield sse_error(OpenAIError(500, f"the request failed: {exc}", type="server_error"))
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 def current_server() -> OpenAIServer:
@@ -320,6 +533,16 @@ async def metrics(request: Request, server: Server) -> Response:
 @api.post("/v1/completions")
 async def completions(request: Request, server: Server) -> Response:
     return await server.completions(request)
+
+
+@api.post("/tokenize")
+async def tokenize(request: Request, server: Server) -> Any:
+    return await server.tokenize(request)
+
+
+@api.post("/detokenize")
+async def detokenize(request: Request, server: Server) -> Any:
+    return await server.detokenize(request)
 
 
 @api.post("/v1/chat/completions")

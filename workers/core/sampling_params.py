@@ -22,7 +22,7 @@ class StructuredOutput(BaseModel):
 
     kind: "json" (any JSON object), "json_schema" (`spec` is a JSON Schema, as a JSON string),
     "regex" (`spec` is a regular expression), "choice" (`spec` is a JSON list of strings, the
-    output is exactly one of them), "grammar" (`spec` is a Lark grammar)."""
+    output is exactly one of them), "grammar" (`spec` is a Lark or an EBNF/GBNF grammar)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

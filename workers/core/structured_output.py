@@ -23,6 +23,7 @@ import json
 import threading
 
 import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from hybridserve.workers.core.sampling_params import StructuredOutput
 from hybridserve.workers.core.tokenizer import Tokenizer
@@ -123,6 +124,7 @@ def _grammar_text(spec: StructuredOutput) -> str:
             ):
                 raise ValueError("choice needs a non-empty list of strings")
             return llguidance.grammar_from("choice", spec.spec)
-        return llguidance.grammar_from("grammar", spec.spec)
-    except (ValueError, RuntimeError) as exc:
+        # vLLM's and SGLang's grammars are EBNF (GBNF); Lark passes through unchanged.
+        return llguidance.grammar_from("grammar", any_to_lark(spec.spec))
+    except (ValueError, RuntimeError, GbnfToLarkError) as exc:
         raise ValueError(f"invalid {spec.kind} for structured output: {exc}") from exc

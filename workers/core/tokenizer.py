@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import datetime
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -22,6 +24,8 @@ class ChatPrompt:
     # Tokens of the leading system (or developer) messages rendered alone, when a true prefix:
     # where other conversations with the same system prompt diverge from this one.
     system_len: int | None = None
+    # The rendered prompt (chat only): the output parsers read how it ends (an open `<think>`).
+    text: str | None = None
 
 
 # Roles of the messages that open a conversation and that many conversations share.
@@ -43,6 +47,46 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Per-request templates (`chat_template` in a request) are compiled once each, up to this many.
+MAX_CACHED_TEMPLATES = 8
+
+
+def _strftime_now(format: str) -> str:
+    """The current local time, as HF's template environment gives it (Granite templates
+    print today's date into the system prompt)."""
+    return datetime.datetime.now().strftime(format)
+
+
+class ChatTemplate:
+    """One compiled chat template, in HF's sandboxed environment, and the variables it reads
+    (so that a request's `chat_template_kwargs` naming a variable no template reads is refused
+    rather than ignored)."""
+
+    def __init__(self, source: str) -> None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(
+            value, ensure_ascii=False, indent=indent
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def reads(self, name: str) -> bool:
+        return name in self.variables
+
+    def render(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        try:
+            return self._template.render(messages=messages, **variables)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -58,7 +102,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token and bos_token is not None
-        self._template: jinja2.Template | None = None
+        self._templates: dict[str, ChatTemplate] = {}
 
     @classmethod
     def from_pretrained(cls, folder: Path) -> Tokenizer:
@@ -106,36 +150,38 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
-        if self.chat_template is None:
+    def template(self, source: str | None = None) -> ChatTemplate:
+        """The compiled chat template: `source` (a per-request or configured override) or the
+        checkpoint's own."""
+        source = self.chat_template if source is None else source
+        if source is None:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json has "
                 "no chat_template); send a plain completion instead"
             )
-        if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(
-                value, ensure_ascii=False, indent=indent
-            )
-            env.globals["raise_exception"] = _raise_exception
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ChatTemplateError(f"chat template failed: {exc}") from exc
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
-            )
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        compiled = self._templates.get(source)
+        if compiled is None:
+            compiled = ChatTemplate(source)
+            if len(self._templates) >= MAX_CACHED_TEMPLATES:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[source] = compiled
+        return compiled
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str:
+        return self.template(chat_template).render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )
 
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> ChatPrompt:
         """Token ids of a chat prompt (with the generation prompt) and its stable prefixes: the
@@ -167,4 +213,4 @@ class Tokenizer:
             (i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), len(messages)
         )
         system_len = prefix_len(messages[:num_system]) if 0 < num_system < len(messages) else None
-        return ChatPrompt(token_ids, prefix_len(messages), system_len)
+        return ChatPrompt(token_ids, prefix_len(messages), system_len, text)

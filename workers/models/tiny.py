@@ -23,11 +23,31 @@ from hybridserve.workers.models.loader import Checkpoint, MemorySource
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
 
+# ChatML turns; with tools, a system turn lists them and calls are written hermes-style, as
+# Qwen3-Next's are: <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Without tools the
+# rendering is plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "Functions you may call, one JSON object each:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one as <tool_call>\n{"name": NAME, "arguments": ARGUMENTS}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response>"
+    "<|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\n<tool_call>\n' + {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson + '\n</tool_call>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 TINY_CONFIG: dict[str, Any] = {

@@ -11,6 +11,7 @@ from hybridserve.cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    check_token_ids,
     derive_cache_salt,
     model_not_found,
     validation_error,
@@ -31,9 +32,17 @@ def parse_error(cls, body) -> OpenAIError:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("hello", "hello"), ([1, 2], [1, 2]), (["hello"], "hello"), ([[1, 2]], [1, 2])],
+    [
+        ("hello", ["hello"]),
+        ([1, 2], [[1, 2]]),
+        (["hello"], ["hello"]),
+        ([[1, 2]], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
 )
 def test_completion_prompt_forms(prompt, expected):
+    """OpenAI's four prompt shapes, as a list of prompts (a batch runs each)."""
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt == expected
 
 
@@ -62,13 +71,13 @@ def test_include_usage_needs_stream():
 def test_chat_content_parts_join_with_newlines():
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     messages = [
-        {"role": "system", "content": "be brief", "name": "ignored"},
+        {"role": "system", "content": "be brief", "name": "ops"},
         {"role": "user", "content": content},
         {"role": "assistant", "content": "ok"},
     ]
     request = ChatCompletionRequest.model_validate({"messages": messages})
     assert request.template_messages() == [
-        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "be brief", "name": "ops"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "ok"},
     ]
@@ -94,30 +103,34 @@ def test_chat_content_parts_join_with_newlines():
          "presence_penalty: Input should be less than or equal to 2"),
         (ChatCompletionRequest, {"messages": USER, "top_logprobs": 3}, "top_logprobs",
          "top_logprobs needs logprobs=true."),
-        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages[0].content",
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages[0]",
          "content is required: every message carries text."),
         (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": None}]},
-         "messages[0].content", "content is required: every message carries text."),
+         "messages[0]", "content is required: every message carries text."),
         (ChatCompletionRequest,
          {"messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]},
-         "messages[0].tool_calls",
-         "assistant tool_calls are not supported (tool calling is off)."),
-        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools",
-         "tools: tool calling is not supported by this server (the built-in parsers cover no "
-         "tool format yet); send the request without tools."),
+         "messages[0].tool_calls[0].id", "messages[0].tool_calls[0].id: Field required"),
+        (ChatCompletionRequest,
+         {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
+         "messages[0]", "tool_calls: only assistant messages carry them, not user."),
+        (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "a"}]},
+         "messages[0]", "tool_call_id: a tool message names the call it answers."),
+        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]},
+         "tools[0].function", "tools[0].function: Field required"),
+        (ChatCompletionRequest, {"messages": USER, "tool_choice": "required"}, "tool_choice",
+         "tool_choice 'required' needs tools."),
         (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema"}},
          "response_format", "response_format of type json_schema needs a json_schema object."),
-        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt",
-         "prompt holds 2 prompts, but batched prompts are not supported; send one prompt per "
-         "request."),
-        (CompletionRequest, {"prompt": [[1], [2]]}, "prompt",
-         "prompt holds 2 prompts, but batched prompts are not supported; send one prompt per "
-         "request."),
-        (CompletionRequest, {"prompt": []}, "prompt", "prompt must not be an empty list."),
+        (CompletionRequest, {"prompt": ["a"] * 257}, "prompt",
+         "prompt holds 257 prompts; at most 256 per request."),
+        (CompletionRequest, {"prompt": ["a", []]}, "prompt",
+         "prompt 1 must be a string or a non-empty list of token ids."),
+        (CompletionRequest, {"prompt": []}, "prompt",
+         "prompt must be a string, a list of token ids, or a list of those."),
         (CompletionRequest, {"prompt": [1, True]}, "prompt",
-         "prompt token ids must be integers, got True at position 1."),
+         "prompt: token ids must be integers, got True at position 1."),
         (CompletionRequest, {"prompt": 5}, "prompt",
-         "prompt must be a string or a list of token ids."),
+         "prompt must be a string, a list of token ids, or a list of those."),
         (CompletionRequest, {}, "prompt", "prompt: Field required"),
         (CompletionRequest, {"prompt": "a", "temperature": -0.5}, "temperature",
          "temperature: Input should be greater than or equal to 0"),
@@ -143,9 +156,9 @@ def test_chat_content_parts_join_with_newlines():
          "stop_token_ids[1]: Input should be a valid integer"),
         (ChatCompletionRequest, {"messages": []}, "messages",
          "messages: List should have at least 1 item after validation, not 0"),
-        (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]},
+        (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]},
          "messages[0].role",
-         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'"),
+         "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
         (ChatCompletionRequest,
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content",
@@ -256,10 +269,6 @@ def test_prompt_that_exactly_fills_the_context_is_accepted():
          "stop_token_ids contains 100, which is outside the vocabulary [0, 100)."),
         ({"prompt": "a", "stop_token_ids": [-1]}, 1, "stop_token_ids",
          "stop_token_ids contains -1, which is outside the vocabulary [0, 100)."),
-        ({"prompt": [3, 100, 4]}, 3, "prompt",
-         "prompt contains token id 100, which is outside the vocabulary [0, 100)."),
-        ({"prompt": [-5]}, 1, "prompt",
-         "prompt contains token id -5, which is outside the vocabulary [0, 100)."),
         ({"prompt": "a", "min_tokens": 20}, 1, "min_tokens",
          "min_tokens (20) must not exceed max_tokens (16)."),
         ({"prompt": ""}, 0, "prompt", "The prompt is empty; send at least one token."),
@@ -270,6 +279,17 @@ def test_engine_limits_are_400(body, prompt_len, param, message):
     with pytest.raises(OpenAIError) as info:
         request.to_sampling_params(vocab_size=100, max_model_len=64, prompt_len=prompt_len)
     assert (info.value.status, info.value.param, info.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize("token_id", [100, -5])
+def test_prompt_token_ids_outside_the_vocabulary_are_400(token_id):
+    with pytest.raises(OpenAIError) as info:
+        check_token_ids([3, token_id, 4], 100, "prompt")
+    assert (info.value.status, info.value.param, info.value.message) == (
+        400,
+        "prompt",
+        f"prompt contains token id {token_id}, which is outside the vocabulary [0, 100).",
+    )
 
 
 def test_min_tokens_message_names_the_limit_the_client_used():

@@ -1,0 +1,84 @@
+"""The OpenAI routes over real HTTP without Ray: one colocated `EngineHost` in this process
+behind uvicorn on a loopback port, for tests of what the API makes of a request and of the
+output (tool calls, reasoning, the Responses API). Routing, P/D and the Serve deployment are
+the service tests' (tests/service.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import openai
+import uvicorn
+
+from hybridserve.cluster.config import ServiceConfig
+from hybridserve.cluster.engine_host.host import EngineHost
+from hybridserve.cluster.messages import GenerateRequest, TokenEvent
+from hybridserve.cluster.openai.routes import OpenAIServer, api, current_server
+from hybridserve.workers import EngineConfig
+
+
+class HostService:
+    """The routes' `Service` over one engine host in this process."""
+
+    def __init__(self, host: EngineHost, config: ServiceConfig) -> None:
+        self.host = host
+        self.config = config
+
+    async def model(self) -> dict[str, Any]:
+        described = self.host.describe()
+        keys = ("vocab_size", "max_model_len", "eos_token_ids")
+        return {"model_id": self.config.model_id} | {k: described[k] for k in keys}
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "engines": {self.host.name: self.host.stats()},
+            "router": {"num_blocks": 0, "num_snapshots": 0},
+        }
+
+    def events(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        return self.host.generate(request)
+
+
+@contextmanager
+def local_api(**service: Any) -> Iterator[tuple[str, EngineHost]]:
+    """(base URL, engine host) of the API served for a ServiceConfig of `service`."""
+    config = ServiceConfig(**({"num_prefill": 0} | service))
+    host = EngineHost("local", EngineConfig(**config.engine, model=config.model))
+    server = OpenAIServer(config, HostService(host, config))
+    # NOTE: the routes' own app, bound to this server (nothing else serves it in a test run).
+    api.dependency_overrides[current_server] = lambda: server
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(api, "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the local API did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}/v1", host
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        api.dependency_overrides.pop(current_server, None)
+        host.shutdown()
+
+
+def local_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
