@@ -123,6 +123,12 @@ class ServiceConfig(BaseModel):
         description="how reasoning is split from the answer: think (also named qwen3, "
         "deepseek_r1); 'auto': think where the chat template writes <think>; 'none': off",
     )
+    responses_store_size: int = Field(
+        1024,
+        ge=0,
+        description="responses each ingress replica keeps for previous_response_id (oldest "
+        "dropped first; 0: none kept)",
+    )
     engine_actor_options: dict[str, Any] | None = Field(
         None,
         description="Ray actor options of each engine of one rank; default {'num_cpus': 0}, "

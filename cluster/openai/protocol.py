@@ -103,9 +103,13 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if first["type"] == "value_error":
         message = str(first["ctx"]["error"])  # our own checks already name the field
-        if param is None:  # a check across fields: its message starts with the one at fault
-            named = re.match(r"([a-z_]+)\b", message)
+        # A check across fields: its message starts with the one at fault (in a list item,
+        # e.g. a message, under that item).
+        named = re.match(r"([a-z_]+)\b", message)
+        if param is None:
             param = named.group(1) if named else None
+        elif named and isinstance(first["loc"][-1], int):
+            param = f"{param}.{named.group(1)}"
     return OpenAIError(400, message, param=param)
 
 
@@ -701,6 +705,9 @@ class ChatCompletionRequest(_GenerationRequest):
     def _constraints(self) -> list[tuple[str, StructuredOutput]]:
         given = super()._constraints()
         if self.tool_mode in ("required", "named"):
+            # A forced call writes no message, so response_format (the message's shape) has
+            # nothing to apply to: agent frameworks send both.
+            given = [(name, spec) for name, spec in given if name != "response_format"]
             schema = forced_tool_schema(self)
             given.append(("tool_choice", StructuredOutput(kind="json_schema", spec=schema)))
         return given

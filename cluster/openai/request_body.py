@@ -57,6 +57,7 @@ _REFUSED_STRUCTURED_OUTPUTS: dict[str, tuple[tuple[Any, ...], str]] = {
 _REFUSED_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported by these models"),
     "add_special_tokens": ((True,), "add_special_tokens=false is not supported"),
+    "include_reasoning": ((None, True), "completions carry no separate reasoning"),
 }
 _REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "echo is supported on /v1/completions only"),
@@ -69,6 +70,23 @@ _REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "continue_final_message": ((False,), "continue_final_message is not supported"),
     "documents": ((None, []), "documents are not supported"),
     "add_special_tokens": ((False,), "add_special_tokens=true is not supported for chat"),
+}
+
+# The Responses API's parameters without an effect here (what does take effect:
+# responses_api.ResponsesRequest).
+_REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "include": ((None, []), "no extra output is included"),
+    "background": ((None, False), "background responses are not supported"),
+    "prompt": ((None,), "stored prompt templates are not supported; send the input"),
+    "conversation": ((None,), "conversations are not stored; use previous_response_id"),
+    "max_tool_calls": ((None,), "max_tool_calls is not supported"),
+    "prompt_cache_key": ((None,), "the prompt cache is keyed by the prompt itself"),
+    "prompt_cache_retention": ((None,), "the prompt cache's retention is the service's"),
+    "prompt_cache_options": ((None,), "the prompt cache's options are the service's"),
+    "context_management": ((None,), "context management is not supported"),
+    "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
+    "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses; use chat"),
+    "stream_options": ((None,), "stream_options is not supported by /v1/responses"),
 }
 
 
@@ -121,9 +139,13 @@ def _check_text(text: str, path: str) -> None:
         ) from None
 
 
-def refuse_unsupported(data: dict[str, Any], *, chat: bool) -> None:
-    """A 400 naming the first known parameter that is set but has no effect here."""
-    refused = _REFUSED_COMMON | (_REFUSED_CHAT if chat else _REFUSED_COMPLETIONS)
+def refuse_unsupported(data: dict[str, Any], endpoint: str) -> None:
+    """A 400 naming the first known parameter that is set but has no effect on `endpoint`
+    ("completions", "chat" or "responses")."""
+    if endpoint == "responses":
+        _refuse(data, _REFUSED_RESPONSES, "")
+        return
+    refused = _REFUSED_COMMON | (_REFUSED_CHAT if endpoint == "chat" else _REFUSED_COMPLETIONS)
     _refuse(data, refused, "")
     nested = data.get("structured_outputs")
     if isinstance(nested, dict):

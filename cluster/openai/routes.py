@@ -52,6 +52,15 @@ from hybridserve.cluster.openai.response_body import (
     sse_event,
     usage_chunk,
 )
+from hybridserve.cluster.openai.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseState,
+    ResponseStore,
+    input_messages,
+    output_items,
+    sse_named_event,
+)
 from hybridserve.cluster.routing.router import RouteRefused
 from hybridserve.workers.core.sampling_params import SamplingParams
 from hybridserve.workers.core.structured_output import GrammarCompiler
@@ -107,6 +116,7 @@ class OpenAIServer:
             self.tokenizer.chat_template = config.chat_template
         self.parsing = self._parsing(self.tokenizer.chat_template if self.tokenizer else None)
         self._grammars: GrammarCompiler | None = None
+        self.stored_responses = ResponseStore(config.responses_store_size)
         self.metrics: ServiceMetrics | None = None
 
     async def _model(self) -> dict[str, Any]:
@@ -141,7 +151,8 @@ class OpenAIServer:
 
     async def _body(self, request: Request, model: type[Any]) -> Any:
         data = await self._json(request)
-        refuse_unsupported(data, chat=model is ChatCompletionRequest)
+        endpoints = {ChatCompletionRequest: "chat", ResponsesRequest: "responses"}
+        refuse_unsupported(data, endpoints.get(model, "completions"))
         parsed = self._parse(data, model)
         await self._check_model(parsed)
         return parsed
@@ -247,6 +258,76 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer", param="tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses, served as a chat completion (cluster/openai/responses_api.py)."""
+        tenant = self._tenant(request)
+        body = await self._body(request, ResponsesRequest)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = self.stored_responses.get(body.previous_response_id)[0]
+        chat = self._parse(body.chat_request(history), ChatCompletionRequest)
+        prompt, parsing = self._render(chat)
+        state = ResponseState(body, model=(await self._model())["model_id"])
+        meta = ResponseMeta(state.id, state.model, state.created_at, chat=True)
+        parsers = [parsing.parser(chat, prompt.text or "")]
+        reply, events = await self._start(
+            chat, prompt, tenant, chat=True, parsers=parsers, meta=meta
+        )
+        conversation = [*history, *input_messages(body.input)]
+        if body.stream:
+            frames = self._response_events(events, reply, state, conversation)
+            return StreamingResponse(frames, media_type="text/event-stream")
+        completion = await self._collect(events, reply)
+        (choice,) = completion["choices"]
+        state.output = output_items(choice["message"])
+        state.finish(choice["finish_reason"], completion["usage"])
+        self._keep(state, conversation)
+        return JSONResponse(state.body())
+
+    async def response(self, request: Request, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}: a stored response."""
+        self._tenant(request)
+        return self.stored_responses.get(response_id)[1]
+
+    async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self._tenant(request)
+        self.stored_responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _keep(self, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
+        if state.request.store:
+            conversation = [*conversation, state.assistant_message()]
+            self.stored_responses.put(state.id, conversation, state.body())
+
+    async def _response_events(
+        self,
+        events: AsyncIterator[TokenEvent],
+        reply: Reply,
+        state: ResponseState,
+        conversation: list[dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        """The Responses API's stream: its events from the chat reply's chunks; a failure
+        midway is an `error` event, and the response is not stored."""
+        stream = ResponseEvents(state)
+        try:
+            for event in stream.start():
+                yield sse_named_event(event)
+            finish = None
+            async for chunk in self._chunks(events, reply):
+                (choice,) = chunk["choices"]
+                finish = choice["finish_reason"] or finish
+                for event in stream.delta(choice["delta"]):
+                    yield sse_named_event(event)
+            for event in stream.finish(finish, reply.usage().to_dict()):
+                yield sse_named_event(event)
+            self._keep(state, conversation)
+        except OpenAIError as exc:
+            error = {"code": exc.code or exc.type, "message": exc.message, "param": exc.param}
+            yield sse_named_event(stream.event("error", **error))
+        except asyncio.CancelledError:
+            logger.info("response %s: client disconnected", state.id)
+            raise
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -543,6 +624,21 @@ async def tokenize(request: Request, server: Server) -> Any:
 @api.post("/detokenize")
 async def detokenize(request: Request, server: Server) -> Any:
     return await server.detokenize(request)
+
+
+@api.post("/v1/responses")
+async def responses(request: Request, server: Server) -> Response:
+    return await server.responses(request)
+
+
+@api.get("/v1/responses/{response_id}")
+async def response(request: Request, response_id: str, server: Server) -> Any:
+    return await server.response(request, response_id)
+
+
+@api.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str, server: Server) -> Any:
+    return await server.delete_response(request, response_id)
 
 
 @api.post("/v1/chat/completions")

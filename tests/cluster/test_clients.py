@@ -1,7 +1,9 @@
 """Clients people point at OpenAI-compatible servers, run unchanged against the service:
-lm-evaluation-harness (loglikelihood through `local-completions`, generate_until through
-`local-chat-completions`), LangChain's `ChatOpenAI` (invoke, stream, structured output) and
-GuideLLM (a load generator). Oracle: the offline engine of the same model.
+lm-evaluation-harness (loglikelihood through `local-completions` in batches of 4 prompts,
+generate_until through `local-chat-completions`), LangChain's `ChatOpenAI` (invoke, stream,
+structured output, tools), the OpenAI Agents SDK (a tool-using agent over chat completions and
+over the Responses API) and GuideLLM (a load generator). Oracles: the offline engine of the
+same model, and the tools' schemas.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -95,7 +97,7 @@ def test_lm_eval_scores_and_generates_through_the_api(
         model="local-completions",
         model_args=(
             f"base_url={service.base_url}/v1/completions,model=tiny,tokenizer={checkpoint},"
-            "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1"
+            "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,batch_size=4"
         ),
         tasks=["hybridserve_choice"],
         task_manager=tasks,
@@ -169,6 +171,108 @@ def test_langchain_chat_openai_invokes_streams_and_structures(service, offline):
     )
     person = structured.invoke("Describe a person as JSON.")
     assert isinstance(person, Person)
+    assert_at_baseline(service)
+
+
+class Sky(BaseModel):
+    sky: Literal["sunny", "rainy"]
+
+
+WEATHER_ARGS = {"city"}
+
+
+def test_langchain_binds_tools_and_round_trips_a_call(service):
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    cities: list[str] = []
+
+    class City(BaseModel):
+        city: str = Field(max_length=8)
+
+    @tool(args_schema=City)
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    chat = ChatOpenAI(
+        model="tiny",
+        base_url=f"{service.base_url}/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        temperature=0,
+        max_tokens=60,
+    )
+    forced = chat.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False)
+    question = HumanMessage("What is the weather in Paris?")
+    called = forced.invoke([question])
+    (call,) = called.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == WEATHER_ARGS
+    streamed = None
+    for chunk in forced.stream([question]):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+    answer = get_weather.invoke(call)  # a ToolMessage answering the call
+    assert cities == [call["args"]["city"]]
+    final = chat.bind_tools([get_weather]).invoke([question, called, answer])
+    assert isinstance(final.content, str) and final.content and not final.tool_calls
+    assert_at_baseline(service)
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_an_openai_agent_calls_its_tool_and_answers(service, api):
+    """The Agents SDK's loop: the first turn must call the tool (tool_choice required), the SDK
+    runs it and sends its output back, then the agent answers in its output type."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no export to OpenAI's tracing service
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=8)]) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> tuple[Any, Any]:
+        client = AsyncOpenAI(base_url=f"{service.base_url}/v1", api_key=API_KEY, max_retries=0)
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(
+            name="forecaster",
+            instructions="Look the weather up, then answer.",
+            tools=[get_weather],
+            output_type=Sky,
+            model=model_class("tiny", client),
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0
+            ),
+        )
+        result = await Runner.run(agent, "Weather in Paris?", max_turns=3)
+        streamed = Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
+        async for _ in streamed.stream_events():
+            pass
+        return result, streamed
+
+    result, streamed = asyncio.run(run())
+    assert isinstance(result.final_output, Sky) and isinstance(streamed.final_output, Sky)
+    assert len(cities) == 2 and cities[0] == cities[1]  # greedy: the same call both times
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert_at_baseline(service)
 
 

@@ -20,7 +20,6 @@ from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.engine_host.host import EngineHost
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
 from hybridserve.cluster.openai.routes import OpenAIServer, api, current_server
-from hybridserve.workers import EngineConfig
 
 
 class HostService:
@@ -52,7 +51,7 @@ class HostService:
 def local_api(**service: Any) -> Iterator[tuple[str, EngineHost]]:
     """(base URL, engine host) of the API served for a ServiceConfig of `service`."""
     config = ServiceConfig(**({"num_prefill": 0} | service))
-    host = EngineHost("local", EngineConfig(**config.engine, model=config.model))
+    host = EngineHost("local", config.engine_config("colocated"))
     server = OpenAIServer(config, HostService(host, config))
     # NOTE: the routes' own app, bound to this server (nothing else serves it in a test run).
     api.dependency_overrides[current_server] = lambda: server
