@@ -128,12 +128,26 @@ class Reply:
                     prompt_token_ids=prompt_ids if self.body_request.return_token_ids else None,
                 )
             )
-        return response_body(
+        body = response_body(
             self.meta,
             choices,
             self.usage(),
             prompt_token_ids=prompt_ids if self.body_request.return_token_ids else None,
         )
+        self._add_prompt_logprobs(body)
+        return body
+
+    def _add_prompt_logprobs(self, body: dict[str, Any]) -> None:
+        """vLLM's `prompt_logprobs` where a request asked for them: on the response for chat,
+        on each choice for completions."""
+        if self.body_request.prompt_logprobs is None:
+            return
+        entries = self.formatter.prompt(self.request.prompt_token_ids, self.stats.prompt_logprobs)
+        if self.meta.chat:
+            body["prompt_logprobs"] = entries
+        else:
+            for one in body["choices"]:
+                one["prompt_logprobs"] = entries
 
     def _shown(
         self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs]
@@ -229,6 +243,8 @@ class Reply:
             if return_ids and first and self.meta.chat
             else None,
         )
+        if first:
+            self._add_prompt_logprobs(chunk)
         if self.body_request.continuous_usage:
             cached = self.stats.num_cached_tokens
             usage = Usage(len(self.request.prompt_token_ids), self.num_sent[i], cached)

@@ -45,6 +45,17 @@ _REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((None,), "predicted outputs are not supported"),
     # Reasoning parsers split the reasoning off; a budget would need the engine to end it.
     "thinking_token_budget": ((None,), "reasoning budgets are not supported"),
+    # SGLang's.
+    "no_stop_trim": ((None, False), "use include_stop_str_in_output"),
+    "lora_path": ((None,), "LoRA adapters are not supported"),
+    "session_params": ((None,), "sessions are not supported; the prefix cache follows prompts"),
+    "rid": ((None,), "request ids are assigned by the server (the response id)"),
+    "return_hidden_states": ((None, False), "hidden states are not returned"),
+    "bootstrap_host": ((None,), "the service moves KV state itself"),
+    "bootstrap_port": ((None,), "the service moves KV state itself"),
+    "bootstrap_room": ((None,), "the service moves KV state itself"),
+    "custom_logit_processor": ((None,), "custom logits processors are not supported"),
+    "custom_params": ((None,), "custom logits processors are not supported"),
 }
 # vLLM's structured_outputs fields that tune its backends; llguidance has its own defaults.
 _REFUSED_STRUCTURED_OUTPUTS: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -70,6 +81,14 @@ _REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "continue_final_message": ((False,), "continue_final_message is not supported"),
     "documents": ((None, []), "documents are not supported"),
     "add_special_tokens": ((False,), "add_special_tokens=true is not supported for chat"),
+    "moderation": ((None,), "moderation is not supported"),
+    "prompt_cache_key": ((None,), "the prompt cache is keyed by the prompt itself"),
+    "prompt_cache_retention": ((None,), "the prompt cache's retention is the service's"),
+    "prompt_cache_options": ((None,), "the prompt cache's options are the service's"),
+    "verbosity": ((None, "medium"), "verbosity is not supported"),
+    # SGLang's: reasoning is always separated where a reasoning parser is set.
+    "separate_reasoning": ((None, True), "use include_reasoning"),
+    "stream_reasoning": ((None, True), "reasoning always streams as it comes"),
 }
 
 # The Responses API's parameters without an effect here (what does take effect:
@@ -87,7 +106,15 @@ _REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
     "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses; use chat"),
     "stream_options": ((None,), "stream_options is not supported by /v1/responses"),
+    "moderation": ((None,), "moderation is not supported"),
+    "image": ((None,), "image output is not supported"),
+    "background_options": ((None,), "background responses are not supported"),
+    "access_programs": ((None, []), "access programs are not supported"),
 }
+
+# Known parameters that identify the end user, for OpenAI's abuse monitoring: accepted, and
+# without an effect on the answer (they are not logged either).
+IDENTIFIERS = frozenset({"user", "safety_identifier"})
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -139,14 +166,17 @@ def _check_text(text: str, path: str) -> None:
         ) from None
 
 
-def refuse_unsupported(data: dict[str, Any], endpoint: str) -> None:
-    """A 400 naming the first known parameter that is set but has no effect on `endpoint`
-    ("completions", "chat" or "responses")."""
+def refused_parameters(endpoint: str) -> dict[str, tuple[tuple[Any, ...], str]]:
+    """The known parameters `endpoint` ("completions", "chat" or "responses") refuses: name ->
+    (the values that mean "not used", why)."""
     if endpoint == "responses":
-        _refuse(data, _REFUSED_RESPONSES, "")
-        return
-    refused = _REFUSED_COMMON | (_REFUSED_CHAT if endpoint == "chat" else _REFUSED_COMPLETIONS)
-    _refuse(data, refused, "")
+        return _REFUSED_RESPONSES
+    return _REFUSED_COMMON | (_REFUSED_CHAT if endpoint == "chat" else _REFUSED_COMPLETIONS)
+
+
+def refuse_unsupported(data: dict[str, Any], endpoint: str) -> None:
+    """A 400 naming the first known parameter that is set but has no effect on `endpoint`."""
+    _refuse(data, refused_parameters(endpoint), "")
     nested = data.get("structured_outputs")
     if isinstance(nested, dict):
         _refuse(nested, _REFUSED_STRUCTURED_OUTPUTS, "structured_outputs.")

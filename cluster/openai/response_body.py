@@ -182,6 +182,31 @@ class LogprobsFormatter:
             "text_offset": offsets,
         }
 
+    def prompt(
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None] | None
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id (as
+        text) -> {logprob, rank, decoded_token} for the token there and the top ones. A rank
+        is known where the token is among the top ones."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for position, entry in enumerate(entries or [None] * len(token_ids)):
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {token: rank for rank, (token, _) in enumerate(entry.top, start=1)}
+            pairs = [(token_ids[position], entry.logprob), *entry.top]
+            out.append(
+                {
+                    str(token): {
+                        "logprob": logprob,
+                        "rank": ranked.get(token),
+                        "decoded_token": self.token(token),
+                    }
+                    for token, logprob in pairs
+                }
+            )
+        return out
+
     def chat(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         """`{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`."""
 

@@ -84,3 +84,40 @@ def test_tokenize_and_detokenize(api):
     assert chat["count"] == reply.usage.prompt_tokens
     bad = httpx.post(f"{root}/detokenize", json={"model": "tiny", "tokens": [1, 5000]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_prompt_logprobs_are_returned_wherever_asked_for(api, route):
+    """Without echo too: on each choice for completions, on the response for chat (vLLM's
+    places). Oracle: the same prompt scored with echo."""
+    client, _, _ = api
+    prompt_ids = [40, 41, 42, 43, 44, 45]
+    echoed = client.completions.create(
+        model="tiny", prompt=prompt_ids, max_tokens=1, echo=True, logprobs=2
+    )
+    expected = echoed.choices[0].logprobs.token_logprobs[: len(prompt_ids)]
+    if route == "completions":
+        for stream in (False, True):
+            reply = client.completions.create(
+                model="tiny",
+                prompt=prompt_ids,
+                max_tokens=2,
+                stream=stream,
+                extra_body={"prompt_logprobs": 2},
+            )
+            first = list(reply)[0] if stream else reply
+            entries = first.choices[0].model_extra["prompt_logprobs"]
+            assert entries[0] is None and len(entries) == len(prompt_ids)
+            pairs = zip(prompt_ids[1:], entries[1:], strict=True)
+            got = [None] + [entry[str(token)]["logprob"] for token, entry in pairs]
+            assert got == pytest.approx(expected, abs=1e-5)
+    else:
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"prompt_logprobs": 1},
+        )
+        entries = reply.model_extra["prompt_logprobs"]
+        assert entries[0] is None and all(len(e) <= 2 for e in entries[1:])
+        assert len(entries) == reply.usage.prompt_tokens
