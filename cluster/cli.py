@@ -1,6 +1,7 @@
 """The `hybridserve` command line.
 
     hybridserve generate --model tiny --prompt "hello" --max-tokens 16
+    hybridserve serve Qwen/Qwen3-Next-80B-A3B-Instruct --tensor-parallel-size 4
     hybridserve export-tiny ./tiny-checkpoint
 
 Every command takes `--config file.yaml` (keys as on the command line, kebab- or snake_case;
@@ -168,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Ray cluster on loopback (or join RAY_ADDRESS), start the "
         "engines and serve the OpenAI-compatible API until interrupted.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as vLLM's `serve MODEL`: 'tiny', a checkpoint folder or a Hugging "
+        "Face id (same as --model)",
+    )
     add_service_options(serve)
     add_model_options(serve, EngineConfig, skip=("role",))
     _add_common(serve)
@@ -261,7 +269,12 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("service options")
     group.add_argument("--num-prefill", type=int, default=1, help="prefill engines (default: 1)")
     group.add_argument("--num-decode", type=int, default=1, help="decode engines (default: 1)")
-    group.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    group.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="HTTP host; every interface by default, as vLLM's, so that a container is "
+        "reachable: set --api-key, or bind 127.0.0.1 (default: 0.0.0.0)",
+    )
     group.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     group.add_argument(
         "--policy",
@@ -278,9 +291,36 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--api-key",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
-        help=f"accepted bearer key (repeat; also {API_KEYS_ENV}); none: no authentication",
+        help=f"accepted bearer keys (several, or repeat the flag; also {API_KEYS_ENV}); none: "
+        "no authentication",
+    )
+    group.add_argument("--chat-template", help="a chat template file (or the template itself)")
+    group.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="hermes, qwen3_coder, nemotron_json; auto: read from the chat template; none: "
+        "tools refused (default: auto)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve tool_choice 'auto' (default: on)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        help="think (also qwen3, deepseek_r1); auto: where the chat template writes <think>; "
+        "none: off (default: auto)",
+    )
+    group.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="responses kept for previous_response_id per ingress replica (default: 1024)",
     )
     group.add_argument(
         "--max-queued-requests",
@@ -318,7 +358,11 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
 def service_config(args: argparse.Namespace) -> dict[str, Any]:
     """A ServiceConfig dict from `serve`-style options."""
     engine = model_values(args, EngineConfig)
-    model = engine.pop("model", "tiny")
+    model = engine.pop("model", None)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and model is not None and tag != model:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {model!r}")
+    model = tag or model or "tiny"
     config: dict[str, Any] = {
         "model": model,
         "num_prefill": args.num_prefill,
@@ -334,6 +378,11 @@ def service_config(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_wait_policy": args.cpu_wait_policy,
         "cpu_binding": args.cpu_binding,
         "stream_interval": args.stream_interval,
+        "chat_template": args.chat_template,
+        "tool_call_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "reasoning_parser": args.reasoning_parser,
+        "responses_store_size": args.responses_store_size,
         "max_queued_requests": None if args.max_queued_requests < 0 else args.max_queued_requests,
     }
     return ServiceConfig(**config).model_dump()

@@ -25,6 +25,7 @@ from hybridserve.cluster.openai.reasoning_parsers import REASONING_PARSERS
 from hybridserve.cluster.openai.tool_parsers import FORMATS
 from hybridserve.cluster.routing.router import RouterConfig
 from hybridserve.workers.core.config import EngineConfig
+from hybridserve.workers.models.hub import is_repo_id
 
 API_KEYS_ENV = "HYBRIDSERVE_API_KEYS"
 Role = Literal["prefill", "decode", "colocated"]
@@ -70,7 +71,9 @@ def _spin_count(text: str) -> float | None:
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("tiny", description="'tiny' or an HF-format checkpoint folder")
+    model: str = Field(
+        "tiny", description="'tiny', an HF-format checkpoint folder or a Hugging Face id"
+    )
     served_model_name: str | None = Field(
         None, description="the model id clients send; default: 'tiny' or the folder name"
     )
@@ -385,7 +388,9 @@ class ServiceConfig(BaseModel):
     def model_id(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return "tiny" if self.model == "tiny" else Path(self.model).name
+        if self.model == "tiny" or is_repo_id(self.model):
+            return self.model  # a Hugging Face id is its own name, as vLLM serves it
+        return Path(self.model).name
 
     def accepted_keys(self) -> list[str]:
         from_env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.cluster.messages import TokenEvent
-from hybridserve.cluster.openai.detokenizer import Detokenizer
+from hybridserve.workers.core.detokenizer import Detokenizer
 from hybridserve.cluster.openai.protocol import OpenAIError
-from hybridserve.cluster.openai.stop_strings import StopStringMatcher
+from hybridserve.workers.core.stop_strings import StopStringMatcher
 from hybridserve.workers.core.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)

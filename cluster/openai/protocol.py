@@ -6,7 +6,7 @@ without an effect are refused before, in `openai_body`). Once the prompt is toke
 `to_sampling_params` checks what only the engine's limits can decide (context length,
 vocabulary) and builds the engine's `SamplingParams`. `derive_cache_salt` scopes the request's
 `cache_salt` to its tenant. Response bodies live in `openai_responses`, the stop-string matcher
-in `stop_strings`. No FastAPI or Ray import: the app adapts these to HTTP.
+in workers/core/stop_strings.py. No FastAPI or Ray import: the app adapts these to HTTP.
 """
 
 from __future__ import annotations

@@ -139,3 +139,71 @@ def test_serve_flags_become_the_service_config():
     assert defaults["cpu_binding"] == "auto"
     with pytest.raises(ValidationError, match="stream_interval"):
         service_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))
+
+
+def test_serve_takes_vllm_s_positional_model_and_flags(tmp_path):
+    from hybridserve.cluster.cli import build_parser, service_config
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    argv = ["serve", "org/model", "--api-key", "k1", "k2", "--api-key", "k3"]
+    argv += ["--chat-template", str(template), "--tool-call-parser", "qwen3_coder"]
+    argv += ["--reasoning-parser", "none", "--gpu-memory-utilization", "0.5"]
+    args = build_parser().parse_args(argv)
+    config = service_config(args)
+    assert config["model"] == "org/model" and config["api_keys"] == ["k1", "k2", "k3"]
+    assert config["chat_template"] == "{{ messages[0]['content'] }}"
+    assert (config["tool_call_parser"], config["reasoning_parser"]) == ("qwen3_coder", "none")
+    assert config["engine"]["gpu_memory_utilization"] == 0.5
+    assert args.host == "0.0.0.0"  # every interface, as vLLM's
+    with pytest.raises(ValueError, match="the model is given twice"):
+        service_config(build_parser().parse_args(["serve", "a/b", "--model", "c/d"]))
+    with pytest.raises(ValueError, match="tool_call_parser 'xml'"):
+        service_config(build_parser().parse_args(["serve", "--tool-call-parser", "xml"]))
+
+
+@pytest.mark.slow
+def test_serve_a_hugging_face_id_from_the_cache_offline(tmp_path):
+    """`hybridserve serve ORG/NAME` as a user runs it: its own Ray, the model from a filled
+    Hugging Face cache with HF_HUB_OFFLINE, answers under the id, and Ctrl-C exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import openai
+
+    from hybridserve.cluster.control.local import free_port
+    from tests.workers.models.test_hub import REPO_ID, fill_cache
+
+    fill_cache(tmp_path / "hub")
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "hybridserve"), "serve", REPO_ID]
+    command += ["--port", str(port), "--num-prefill", "0", "--torch-threads", "1"]
+    command += ["--max-model-len", "256", "--num-kv-blocks", "32"]
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-")
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None, server.stdout.read()
+                assert time.monotonic() < deadline, "the service did not start"
+                time.sleep(1)
+        assert [m.id for m in models.data] == [REPO_ID]
+        reply = client.completions.create(model=REPO_ID, prompt="Hello", max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+    finally:
+        server.send_signal(signal.SIGINT)
+        output, _ = server.communicate(timeout=120)
+    assert server.returncode == 0, output
+    assert "Traceback" not in output, output

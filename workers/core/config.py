@@ -17,7 +17,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("tiny", description="'tiny' (built in) or an HF-format checkpoint folder")
+    model: str = Field(
+        "tiny",
+        description="'tiny' (built in), an HF-format checkpoint folder, or a Hugging Face id "
+        "(from the Hugging Face cache, downloaded when the Hub is reachable)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="weights and activations; auto: the checkpoint's torch_dtype on CUDA, "
@@ -64,6 +68,14 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV pool size in bytes (alternative to num_kv_blocks)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="on a GPU without num_kv_blocks or kv_cache_memory_bytes: the share of the "
+        "GPU's memory this engine may hold in all (weights and what is already taken count); "
+        "the KV pool gets the rest of that share, as in vLLM",
     )
     num_state_slots: int | None = Field(
         None,

@@ -240,6 +240,11 @@ class Engine:
                 f"request id {request_id!r} contains {CHOICE_SEPARATOR!r}, which names the "
                 "choices of n > 1 requests"
             )
+        if params.stop:
+            raise ValueError(
+                f"request {request_id}: stop strings are matched where text is made (LLM, the "
+                "OpenAI server); the engine stops on stop_token_ids"
+            )
         token_ids = self.tokenize(prompt)
         self._validate_prompt(request_id, token_ids)
         self._validate_params(request_id, params)
@@ -348,6 +353,14 @@ class Engine:
             self.abort(choice.request_id)
         self._publish_cache_events()
         return request.to_output()
+
+    def stop(self, request_id: str) -> None:
+        """End one running request (one choice) as stopped: its caller found a stop string in
+        its text. Its output comes with the next step."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, "stop")
+            self.emit(request)
 
     def _in_use(self, request_id: str) -> bool:
         """Live here, or an aborted handoff whose pages a send still reads (its id is taken

@@ -9,9 +9,11 @@ from typing import Any
 from tqdm import tqdm
 
 from hybridserve.workers.core.config import EngineConfig
+from hybridserve.workers.core.detokenizer import Detokenizer
 from hybridserve.workers.core.engine import Engine
 from hybridserve.workers.core.outputs import RequestOutput
 from hybridserve.workers.core.sampling_params import SamplingParams
+from hybridserve.workers.core.stop_strings import StopStringMatcher
 from hybridserve.workers.core.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -23,6 +25,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._stops: dict[str, SamplingParams] = {}  # request id -> params with stop strings
 
     def __enter__(self) -> LLM:
         return self
@@ -52,11 +55,20 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
-        request_ids = [
-            self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
-        ]
+        request_ids = [self._add(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
         finished = self._run(request_ids, use_tqdm, "generating")
         return [finished[i] for i in request_ids]
+
+    def _add(self, prompt: Any, params: SamplingParams, **options: Any) -> str:
+        """Queue a request; its stop strings are matched here, as its tokens come."""
+        request_id = self.engine.add_request(
+            prompt, params.model_copy(update={"stop": ()}), **options
+        )
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+            self._stops[request_id] = params
+        return request_id
 
     def chat(
         self,
@@ -82,7 +94,7 @@ class LLM:
         for messages in batch:
             chat = self.tokenizer.render_chat(messages)  # type: ignore[arg-type]
             request_ids.append(
-                self.engine.add_request(
+                self._add(
                     chat.token_ids,
                     params,
                     cache_salt=cache_salt,
@@ -101,16 +113,26 @@ class LLM:
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         finished: dict[str, RequestOutput] = {}
         choices: dict[str, list[RequestOutput]] = {}
+        watches: dict[str, StopWatch] = {}
         with tqdm(total=len(request_ids), desc=what, unit="req", disable=not show) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    parent = output.parent_request_id or output.request_id
+                    params = self._stops.get(parent)
+                    if params is not None:
+                        watch = watches.setdefault(
+                            output.request_id, StopWatch(self.tokenizer, params)
+                        )
+                        if watch.feed(output) and not output.finished:
+                            self.engine.stop(output.request_id)  # its output comes next step
                     if not output.finished:
                         continue
-                    parent = output.parent_request_id or output.request_id
                     choices.setdefault(parent, []).append(output)
                     if output.parent_request_id is None:
                         finished[output.request_id] = output
                         bar.update(1)
+        for request_id in request_ids:
+            self._stops.pop(request_id, None)
         if self.engine.dead is not None:
             raise RuntimeError(f"generation failed: {self.engine.dead}")
         for request_id, output in finished.items():
@@ -126,3 +148,34 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single prompt given as token ids
     return items
+
+
+class StopWatch:
+    """One choice's text as its tokens come, cut at its first stop string; once it ends, the
+    output's text is the cut text and its stop_reason the string."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.detokenizer = Detokenizer(tokenizer)
+        self.matcher = StopStringMatcher(params.stop)
+        self.include = params.include_stop_str_in_output
+        self.text = ""
+        self.stop: str | None = None
+        self.num_tokens = 0
+
+    def feed(self, output: RequestOutput) -> bool:
+        """Whether the choice hit a stop string (now or before)."""
+        if self.stop is None:
+            new = output.token_ids[self.num_tokens :]
+            self.num_tokens = len(output.token_ids)
+            match = self.matcher.feed(self.detokenizer.feed(new, output.finished))
+            self.text += match.text
+            if match.stopped:
+                self.stop = match.stop
+                self.text += (self.stop or "") if self.include else ""
+            elif output.finished:
+                self.text += self.matcher.flush()
+        if output.finished:
+            output.text = self.text
+            if self.stop is not None:
+                output.finish_reason, output.stop_reason = "stop", self.stop
+        return self.stop is not None

@@ -42,6 +42,30 @@ class Sample:
     num_draft_tokens: int = 0  # drafts this step verified (len(accepted) of them stood)
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's shape of one token's log-probability: its rank among the position's tokens
+    (None where it is not among the top ones returned); `decoded_token` is not filled."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request, as vLLM's `RequestOutput.outputs[i]`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    # Per generated token: token id -> Logprob, for the token drawn and the top ones.
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -64,10 +88,38 @@ class RequestOutput:
     # Speculative decoding: this request's drafts proposed and accepted (None: it verified
     # none).
     speculation: SpeculationStats | None = None
+    # What stopped it, as vLLM reports it: the stop string (LLM), else the stop token id.
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every choice, as vLLM's `outputs` (logprobs in its shape, without decoded_token:
+        the tokenizer decodes them)."""
+        return [choice._completion() for choice in self.choices or [self]]
+
+    def _completion(self) -> CompletionOutput:
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = []
+            for entry in self.logprobs:
+                ranked = {token: rank for rank, (token, _) in enumerate(entry.top, start=1)}
+                one = {entry.token_id: Logprob(entry.logprob, ranked.get(entry.token_id))}
+                for token, logprob in entry.top:
+                    one.setdefault(token, Logprob(logprob, ranked[token]))
+                logprobs.append(one)
+        return CompletionOutput(
+            self.index,
+            self.text,
+            self.token_ids,
+            self.cumulative_logprob,
+            logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
     @property
     def cumulative_logprob(self) -> float | None:

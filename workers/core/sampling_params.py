@@ -10,7 +10,7 @@ Order of the logits processing, as vLLM applies it (docs/sampling.md):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -62,6 +62,14 @@ class SamplingParams(BaseModel):
         description="same seed + same prompt = same tokens; default: derived from the "
         "engine seed and the request id; choice i of n draws with seed + i",
     )
+    stop: tuple[str, ...] = Field(
+        (),
+        description="stop strings: the text ends before the first (LLM.generate and the OpenAI "
+        "server match them; Engine.add_request refuses them, it stops on token ids)",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the stop string that ended the text in it"
+    )
     stop_token_ids: tuple[int, ...] = Field((), description="stop after any of these")
     ignore_eos: bool = Field(False, description="keep going past the model's EOS tokens")
     min_tokens: int = Field(0, ge=0, description="stop tokens are suppressed until this many")
@@ -82,6 +90,15 @@ class SamplingParams(BaseModel):
                     f"logit_bias for token {token_id} is {bias}; biases must lie in "
                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
                 )
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = (value,)  # vLLM takes one string too
+        if isinstance(value, (list, tuple)) and "" in value:
+            raise ValueError("stop strings must not be empty")
         return value
 
     @model_validator(mode="after")

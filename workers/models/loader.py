@@ -27,6 +27,7 @@ from hybridserve.workers.models.config import (
     HybridModelConfig,
     WeightError,
 )
+from hybridserve.workers.models.hub import model_folder
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.models.quantization import (
     Fp8Tensor,
@@ -114,22 +115,24 @@ class Checkpoint:
 
 
 def load_tokenizer(model: str) -> Tokenizer | None:
-    """Only the tokenizer of `model` ("tiny" or a checkpoint folder): None if it has none."""
+    """Only the tokenizer of `model` ("tiny", a checkpoint folder or a Hugging Face id): None
+    if it has none."""
     if model == "tiny":
         from hybridserve.workers.models.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
-    folder = Path(model).expanduser()
+    folder = model_folder(model)
     return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
 
 
 def open_checkpoint(model: str) -> Checkpoint:
-    """`model` is "tiny" (built in) or a path to an HF-format checkpoint folder."""
+    """`model` is "tiny" (built in), an HF-format checkpoint folder or a Hugging Face id
+    (models/hub.py)."""
     if model == "tiny":
         from hybridserve.workers.models.tiny import tiny_checkpoint
 
         return tiny_checkpoint()
-    folder = Path(model).expanduser()
+    folder = model_folder(model)
     raw, config_file = _raw_config(model)
     generation_eos: tuple[int, ...] = ()
     generation_file = folder / "generation_config.json"
@@ -170,11 +173,11 @@ def _raw_config(model: str) -> tuple[dict[str, Any], str]:
         from hybridserve.workers.models.tiny import TINY_CONFIG
 
         return dict(TINY_CONFIG), "tiny/config.json"
-    config_file = Path(model).expanduser() / "config.json"
+    config_file = model_folder(model) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
-            f"model {model!r}: no config.json there (expected 'tiny' or an "
-            "HF-format checkpoint folder; nothing is downloaded)"
+            f"model {model!r}: no config.json there (expected 'tiny', an HF-format "
+            "checkpoint folder or a Hugging Face id)"
         )
     try:
         raw = json.loads(config_file.read_text())

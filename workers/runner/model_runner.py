@@ -167,8 +167,16 @@ class ModelRunner:
             wanted = config.max_num_seqs * blocks_per_seq
             budget = DEFAULT_CPU_KV_BYTES
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.8)
+                free, total = torch.cuda.mem_get_info(self.device)
+                # Activations and the CUDA graphs' pools come out of the share too: a tenth of
+                # what is left for the pools is kept for them.
+                budget = int(0.9 * (total * config.gpu_memory_utilization - (total - free)))
+                if budget <= 0:
+                    raise ValueError(
+                        f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no "
+                        f"memory for the KV pool: {(total - free) / 2**30:.1f} GiB of the GPU's "
+                        f"{total / 2**30:.1f} GiB are taken already; raise it"
+                    )
             num_blocks = wanted if per_block == 0 else min(wanted, budget // per_block)
         if num_blocks < blocks_per_seq:
             raise ValueError(

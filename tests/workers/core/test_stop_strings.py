@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridserve.cluster.openai.stop_strings import StopMatch, StopStringMatcher
+from hybridserve.workers.core.stop_strings import StopMatch, StopStringMatcher
 
 # -- stop strings -------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hybridserve.cluster.openai.detokenizer import Detokenizer
+from hybridserve.workers.core.detokenizer import Detokenizer
 from hybridserve.workers.models.tiny import tiny_tokenizer
 
 

@@ -1,7 +1,8 @@
 """Stop strings: cut streamed text at the first match, never emitting the stop string itself.
 
-The request carries the strings (`stop` in `openai_protocol`); the app feeds each detokenized
-delta through one `StopStringMatcher` per request before it reaches the client.
+Matched where text is made, not in the engine (which stops on token ids): the OpenAI server
+feeds each detokenized delta of a choice through one `StopStringMatcher`, `LLM` each
+request's (`SamplingParams.stop`).
 """
 
 from __future__ import annotations
