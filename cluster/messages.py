@@ -22,7 +22,8 @@ from hybridserve.workers.core.sampling_params import SamplingParams
 #    the TokenBatches (FeedReply); a prefill's first token is an event there like any other.
 # 7: GenerateRequest.system_prompt_len: where a chat prompt's system messages end.
 # 8: the router answers a route call with a Route or a RouteRefusal message.
-MESSAGES_VERSION = 8
+# 9: a request's first TokenEvent carries its queue time in the engine (`queued_s`).
+MESSAGES_VERSION = 9
 
 M = TypeVar("M", bound="_Message")
 
@@ -101,6 +102,8 @@ class TokenEvent(_Message):
     logprobs: list[list[Any]] | None = None
     # With prompt_logprobs, on the first event: one per prompt token (None for the first).
     prompt_logprobs: list[list[Any] | None] | None = None
+    # On the first event: how long the request waited in the engine before it was scheduled.
+    queued_s: float | None = None
     kind: ClassVar[str] = "tokens"
 
     @property
@@ -121,6 +124,7 @@ class TokenEvent(_Message):
             or self.last
             or (self.logprobs is None) != (following.logprobs is None)
             or following.prompt_logprobs is not None
+            or following.queued_s is not None
         ):
             return None
         logprobs = None
@@ -132,6 +136,7 @@ class TokenEvent(_Message):
             token_ids=[*self.token_ids, *following.token_ids],
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            queued_s=self.queued_s,
         )
 
 

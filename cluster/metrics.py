@@ -1,13 +1,19 @@
-"""Prometheus metrics for GET /metrics: vLLM's names under the `hybridserve:` prefix.
+"""Prometheus metrics for GET /metrics.
+
+What vLLM also measures is exported under vLLM's own names and types (`vllm:`), so that its
+Grafana dashboards, KEDA rules and llm-d's scorers find it unchanged; what only hybridserve
+measures (snapshots, transfers, the global prefix index, refusals, leak detectors) is under
+`hybridserve:`. Each quantity has one name.
 
 Values come from three places:
 
 - the ingress, once per finished request (`ServiceMetrics.observe_request`): token counters,
-  prefix-cache queries and hits (token units), `request_success{finished_reason}` and the
-  latency and length histograms; labels `model_name`.
+  prefix-cache queries and hits (token units), `request_success{finished_reason}`, the
+  latency (queue, prefill, decode, inference, end to end) and length histograms, and once per
+  refused request (`observe_refusal`); labels `model_name`.
 - the engines, as a periodic report (`ServiceMetrics.update_engines`, one `EngineStats` per
-  engine): their gauges and their cumulative counters, exported at scrape time exactly as last
-  reported; labels `model_name`, `engine`.
+  engine): their gauges, cumulative counters and transfer-time histogram, exported at scrape
+  time exactly as last reported; labels `model_name`, `engine`.
 - the global prefix index (`ServiceMetrics.set_prefix_index`): its size; labels `model_name`.
 
 Everything lives on a private `CollectorRegistry`, so several services (or tests) in one process
@@ -25,13 +31,19 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridserve.workers.core.outputs import FinishReason
 
-PREFIX = "hybridserve:"
+VLLM = "vllm:"
+OURS = "hybridserve:"
 # NOTE: the classic text format, which every Prometheus parses; our names need no escaping, so
 # the body is the same one newer clients label `version=1.0.0`.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -44,7 +56,41 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
+# A KV + state transfer between engines: local links take milliseconds, remote ones more.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0)  # fmt: skip
+# Requests refused before they ran (`OpenAIError` codes): too many queued (429), no engine
+# to run them (503).
+REFUSAL_REASONS = ("overloaded", "no_engine")
+
 _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+
+class HistogramCounts(BaseModel):
+    """A histogram an engine keeps and reports: cumulative counts per bucket bound (the last
+    one +Inf), with their sum. Observed where the engine measures; exported at scrape time."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    bounds: tuple[float, ...] = TRANSFER_BUCKETS
+    counts: list[int] = Field(default_factory=list)  # per bound, then +Inf; not cumulative
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        index = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[index] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs, as Prometheus reads them."""
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        running, out = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -97,30 +143,43 @@ class EngineStats(BaseModel):
     spec_decode_num_accepted_tokens_per_pos: list[int] = Field(
         default_factory=list, description="accepted drafts by their offset in the span"
     )
+    transfer_time_seconds: HistogramCounts = Field(
+        default_factory=HistogramCounts, description="sends, first byte to the receiver's ack"
+    )
 
 
+# name -> (prefix, help): vLLM's names for what vLLM measures too.
 _ENGINE_GAUGES = {
-    "num_requests_running": "Requests in the engine's running batch.",
-    "num_requests_waiting": "Requests waiting to be scheduled.",
-    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1.0 = 100%).",
+    "num_requests_running": (VLLM, "Requests in the engine's running batch."),
+    "num_requests_waiting": (VLLM, "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": (VLLM, "Fraction of KV-cache blocks in use (1.0 = 100%)."),
     # Leak detectors: all 0 on an idle engine.
-    "kv_blocks_in_use": "KV blocks held by requests, hand-offs, receives or quarantine.",
-    "state_slots_in_use": "Mamba live-state slots held by requests, hand-offs or receives.",
-    "transfers_in_flight": "KV/state transfers being sent or received.",
-    "handoffs_held": "Prefilled requests holding their pages for a transfer.",
+    "kv_blocks_in_use": (OURS, "KV blocks held by requests, hand-offs, receives or quarantine."),
+    "state_slots_in_use": (
+        OURS,
+        "Recurrent-state live slots held by requests, hand-offs or receives.",
+    ),
+    "transfers_in_flight": (OURS, "KV/state transfers being sent or received."),
+    "handoffs_held": (OURS, "Prefilled requests holding their pages for a transfer."),
 }
 _ENGINE_COUNTERS = {
-    "num_preemptions": "Requests preempted by the scheduler.",
-    "num_requests_aborted": "Live requests aborted on the engine (their client left, a stop "
-    "string ended them, or an abort call).",
-    "snapshot_hits": "Prefix hits that found a Mamba state snapshot.",
-    "snapshot_misses": "Prefix lookups that found no usable Mamba state snapshot.",
-    "reused_tokens": "Prompt tokens reused instead of recomputed.",
-    "transfer_bytes": "Bytes of KV and Mamba state transferred.",
-    "integrity_failures": "Idle-time cache recounts that found the pools inconsistent.",
-    "spec_decode_num_drafts": "Speculative decoding: verify steps (one per request per step).",
-    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
-    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+    "num_preemptions": (VLLM, "Requests preempted by the scheduler."),
+    "num_requests_aborted": (
+        OURS,
+        "Live requests aborted on the engine (their client left, a stop string ended them, "
+        "or an abort call).",
+    ),
+    "snapshot_hits": (OURS, "Prefix hits that found a recurrent-state snapshot."),
+    "snapshot_misses": (OURS, "Prefix lookups that found no usable recurrent-state snapshot."),
+    "reused_tokens": (OURS, "Prompt tokens reused instead of recomputed."),
+    "transfer_bytes": (OURS, "Bytes of KV and recurrent state transferred."),
+    "integrity_failures": (OURS, "Idle-time cache recounts that found the pools inconsistent."),
+    "spec_decode_num_drafts": (
+        VLLM,
+        "Speculative decoding: verify steps (one per request per step).",
+    ),
+    "spec_decode_num_draft_tokens": (VLLM, "Speculative decoding: draft tokens verified."),
+    "spec_decode_num_accepted_tokens": (VLLM, "Speculative decoding: draft tokens accepted."),
 }
 _ENGINE_COUNTERS_BY_REASON = {
     "transfer_failures": "Failed transfers, by reason.",
@@ -140,18 +199,18 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engines = self.engines  # one consistent report per scrape
         labels = ["model_name", "engine"]
-        for name, doc in _ENGINE_GAUGES.items():
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        for name, (prefix, doc) in _ENGINE_GAUGES.items():
+            gauge = GaugeMetricFamily(prefix + name, doc, labels=labels)
             for engine, stats in engines.items():
                 gauge.add_metric([self.model_name, engine], getattr(stats, name))
             yield gauge
-        for name, doc in _ENGINE_COUNTERS.items():
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        for name, (prefix, doc) in _ENGINE_COUNTERS.items():
+            counter = CounterMetricFamily(prefix + name, doc, labels=labels)
             for engine, stats in engines.items():
                 counter.add_metric([self.model_name, engine], getattr(stats, name))
             yield counter
         for name, doc in _ENGINE_COUNTERS_BY_REASON.items():
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "reason"])
+            counter = CounterMetricFamily(OURS + name, doc, labels=[*labels, "reason"])
             for engine, stats in engines.items():
                 for reason, count in sorted(getattr(stats, name).items()):
                     counter.add_metric([self.model_name, engine, reason], count)
@@ -159,7 +218,7 @@ class _EngineCollector(Collector):
         # Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted /
         # drafts (vLLM's dashboard derives both from these counters the same way).
         counter = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            VLLM + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted, by their offset in the span.",
             labels=[*labels, "position"],
         )
@@ -167,6 +226,16 @@ class _EngineCollector(Collector):
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 counter.add_metric([self.model_name, engine, str(position)], count)
         yield counter
+        histogram = HistogramMetricFamily(
+            OURS + "transfer_time_seconds",
+            "KV and recurrent-state transfers a prefill engine sent: first byte to the decode "
+            "engine's ack.",
+            labels=labels,
+        )
+        for engine, stats in engines.items():
+            times = stats.transfer_time_seconds
+            histogram.add_metric([self.model_name, engine], times.buckets(), times.total)
+        yield histogram
 
 
 class ServiceMetrics:
@@ -177,16 +246,16 @@ class ServiceMetrics:
         self._engines = _EngineCollector(model_name)
         self.registry.register(self._engines)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry)
+        def counter(name: str, doc: str, prefix: str = VLLM) -> Counter:
+            return Counter(prefix + name, doc, ["model_name"], registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(
-                PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets
+                VLLM + name, doc, ["model_name"], registry=self.registry, buckets=buckets
             )
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
+            return Gauge(OURS + name, doc, ["model_name"], registry=self.registry)
 
         model = {"model_name": model_name}
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
@@ -198,9 +267,16 @@ class ServiceMetrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self._request_success = Counter(
-            PREFIX + "request_success",
+            VLLM + "request_success",
             "Finished requests, by finish reason.",
             ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._refused = Counter(
+            OURS + "requests_refused",
+            "Requests refused before they ran: overloaded (429, too many queued) or no_engine "
+            "(503, no engine to run them).",
+            ["model_name", "reason"],
             registry=self.registry,
         )
         self._ttft = histogram(
@@ -210,6 +286,26 @@ class ServiceMetrics:
         self._e2e = histogram(
             "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS
         )
+        self._queue = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in its (prefill) engine before its prompt was scheduled.",
+            E2E_BUCKETS,
+        )
+        self._prefill = histogram(
+            "request_prefill_time_seconds",
+            "Time from a request's scheduling to its first token.",
+            E2E_BUCKETS,
+        )
+        self._decode = histogram(
+            "request_decode_time_seconds",
+            "Time from a request's first token to its last.",
+            E2E_BUCKETS,
+        )
+        self._inference = histogram(
+            "request_inference_time_seconds",
+            "Time from a request's scheduling to its last token (prefill + decode).",
+            E2E_BUCKETS,
+        )
         length_buckets = token_buckets(max_model_len)
         self._request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length per request.", length_buckets
@@ -217,9 +313,14 @@ class ServiceMetrics:
         self._request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", length_buckets
         )
+        self._max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Generated tokens of a request's longest choice.",
+            length_buckets,
+        )
         self._index_blocks = gauge("prefix_index_blocks", "Blocks in the global prefix index.")
         self._index_snapshots = gauge(
-            "prefix_index_snapshots", "Mamba snapshots in the global prefix index."
+            "prefix_index_snapshots", "Recurrent-state snapshots in the global prefix index."
         )
         # Bind the label values once; series exist (at 0) from the first scrape, as in vLLM.
         for metric in (
@@ -230,14 +331,21 @@ class ServiceMetrics:
             self._ttft,
             self._itl,
             self._e2e,
+            self._queue,
+            self._prefill,
+            self._decode,
+            self._inference,
             self._request_prompt_tokens,
             self._request_generation_tokens,
+            self._max_generation_tokens,
             self._index_blocks,
             self._index_snapshots,
         ):
             metric.labels(**model)
         for reason in _FINISH_REASONS:
             self._request_success.labels(model_name=model_name, finished_reason=reason)
+        for reason in REFUSAL_REASONS:
+            self._refused.labels(model_name=model_name, reason=reason)
         self._model = model
 
     def observe_request(
@@ -250,9 +358,12 @@ class ServiceMetrics:
         e2e_s: float,
         ttft_s: float | None = None,
         itl_s: Sequence[float] = (),
+        queued_s: float | None = None,
+        max_generation_tokens: int | None = None,
     ) -> None:
         """Record one finished request. `ttft_s` is None when no token came back; `itl_s` holds
-        the gaps between consecutive streamed tokens."""
+        the gaps between consecutive streamed tokens; `queued_s` is the engine's wait before
+        scheduling it (None when no engine reported one)."""
         assert 0 <= cached_tokens <= prompt_tokens, (cached_tokens, prompt_tokens)
         model = self._model
         self._prompt_tokens.labels(**model).inc(prompt_tokens)
@@ -262,12 +373,23 @@ class ServiceMetrics:
         self._request_success.labels(**model, finished_reason=finish_reason).inc()
         self._request_prompt_tokens.labels(**model).observe(prompt_tokens)
         self._request_generation_tokens.labels(**model).observe(generation_tokens)
+        longest = generation_tokens if max_generation_tokens is None else max_generation_tokens
+        self._max_generation_tokens.labels(**model).observe(longest)
         self._e2e.labels(**model).observe(e2e_s)
         if ttft_s is not None:
             self._ttft.labels(**model).observe(ttft_s)
+            self._decode.labels(**model).observe(max(0.0, e2e_s - ttft_s))
+            if queued_s is not None:
+                self._queue.labels(**model).observe(queued_s)
+                self._prefill.labels(**model).observe(max(0.0, ttft_s - queued_s))
+                self._inference.labels(**model).observe(max(0.0, e2e_s - queued_s))
         itl = self._itl.labels(**model)
         for gap in itl_s:
             itl.observe(gap)
+
+    def observe_refusal(self, reason: str) -> None:
+        """A request refused before it ran (`REFUSAL_REASONS`)."""
+        self._refused.labels(**self._model, reason=reason).inc()
 
     def update_engines(self, stats: Mapping[str, EngineStats | Mapping[str, object]]) -> None:
         """Replace all engine reports: engine name -> `EngineStats` (or its plain dict).

@@ -43,6 +43,7 @@ from hybridserve.cluster.engine_host.request_stream import (
 )
 from hybridserve.cluster.engine_host.transfer_links import TransferLinks
 from hybridserve.cluster.messages import GenerateRequest, PrefillResult, TokenEvent
+from hybridserve.cluster.metrics import HistogramCounts
 from hybridserve.kernels.cpu import threads
 from hybridserve.transceiver.endpoint import SendOutcome
 from hybridserve.transceiver.shards import RankShardsPort
@@ -104,6 +105,9 @@ class EngineHost:
         # The stepping loop's heartbeat: the time it last came round (health() reads it).
         self.last_beat = time.monotonic()
         self.integrity_failures = 0  # idle-time recounts that found the pools inconsistent
+        # Sends of this (prefill) engine, first byte to ack; observed on the links' thread.
+        self.transfer_times = HistogramCounts()
+        self._times_lock = threading.Lock()
         self.cpu_threads: int | None = None  # the stepping thread's OpenMP threads
         # Core bindings for the stepping thread to make before its next step (`bind_cores`).
         self._bindings: collections.deque[tuple[list[int], concurrent.futures.Future[bool]]] = (
@@ -229,7 +233,12 @@ class EngineHost:
                 "spec_decode_num_draft_tokens": speculation.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": speculation.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos": list(speculation.accepted_per_position),
+                "transfer_time_seconds": self._transfer_times(),
             }
+
+    def _transfer_times(self) -> dict[str, Any]:
+        with self._times_lock:
+            return self.transfer_times.model_dump()
 
     def check_integrity(self) -> dict[str, Any]:
         """Recount the pools; the free counts once no request runs (for tests and probes)."""
@@ -609,14 +618,18 @@ class EngineHost:
             with self.lock:
                 self.engine.prefill_port.release_handoff(request_id, "no destination")
             return
+        start = time.monotonic()
         self.links.send(
             request_id,
             handoff.message,
             stream.decode_address,
-            lambda outcome: self._shipped(stream, outcome),
+            lambda outcome: self._shipped(stream, outcome, time.monotonic() - start),
         )
 
-    def _shipped(self, stream: RequestStream, outcome: SendOutcome) -> None:
+    def _shipped(self, stream: RequestStream, outcome: SendOutcome, seconds: float) -> None:
+        if outcome.ok:
+            with self._times_lock:
+                self.transfer_times.observe(seconds)
         status = "handed_off" if outcome.ok else "transfer_failed"
         stream.ended = True
         result = PrefillResult(

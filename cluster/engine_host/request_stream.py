@@ -97,6 +97,7 @@ class RequestStream:
             last=len(self.finished) >= self.num_choices,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            queued_s=output.queued_s if index == 0 and sent == 0 else None,
         )
         self.num_sent[index] = sent + len(new)
         self.ended = event.finished

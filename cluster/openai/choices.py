@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.cluster.messages import TokenEvent
-from hybridserve.workers.core.detokenizer import Detokenizer
 from hybridserve.cluster.openai.protocol import OpenAIError
-from hybridserve.workers.core.stop_strings import StopStringMatcher
+from hybridserve.workers.core.detokenizer import Detokenizer
 from hybridserve.workers.core.outputs import TokenLogprobs
+from hybridserve.workers.core.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class RequestStats:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    queued_s: float | None = None  # the engine's wait before scheduling it (its first report)
 
 
 class ChoiceStream:
@@ -117,6 +118,8 @@ async def choice_deltas(
                 stats.itl.extend([(now - last) / num_tokens] * num_tokens)
             last = now
         stats.num_cached_tokens = event.num_cached_tokens
+        if stats.queued_s is None:
+            stats.queued_s = event.queued_s
         if event.prompt_logprobs is not None:
             stats.prompt_logprobs = [
                 None if lp is None else TokenLogprobs.from_wire(lp) for lp in event.prompt_logprobs

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
-from hybridserve.cluster.metrics import ServiceMetrics
+from hybridserve.cluster.metrics import REFUSAL_REASONS, ServiceMetrics
 from hybridserve.cluster.openai.chat_output import ChatOutputParser, ChatParsing
 from hybridserve.cluster.openai.protocol import (
     ChatCompletionRequest,
@@ -446,7 +446,12 @@ class OpenAIServer:
         events = self.service.events(request)
         if self.config.request_timeout_s is not None:
             events = within_deadline(events, self.config.request_timeout_s, request.request_id)
-        return reply, await _admitted(events)
+        try:
+            return reply, await _admitted(events)
+        except OpenAIError as refused:
+            if self.metrics is not None and refused.code in REFUSAL_REASONS:
+                self.metrics.observe_refusal(refused.code)
+            raise
 
     async def _serve_batch(
         self, body: CompletionRequest, prompts: list[ChatPrompt], tenant: str | None
@@ -518,6 +523,8 @@ class OpenAIServer:
                 e2e_s=time.monotonic() - start,
                 ttft_s=stats.ttft,
                 itl_s=stats.itl,
+                queued_s=stats.queued_s,
+                max_generation_tokens=max(choice.num_tokens for choice in reply.streams),
             )
 
     async def _collect(self, events: AsyncIterator[TokenEvent], reply: Reply) -> dict[str, Any]:

@@ -29,21 +29,21 @@ def labels(**values: str) -> frozenset:
 def test_series_exist_at_zero_before_any_request():
     samples = scrape(ServiceMetrics("tiny", max_model_len=64))
     for name in (
-        "hybridserve:prompt_tokens_total",
-        "hybridserve:generation_tokens_total",
-        "hybridserve:prefix_cache_queries_total",
-        "hybridserve:prefix_cache_hits_total",
-        "hybridserve:time_to_first_token_seconds_count",
-        "hybridserve:inter_token_latency_seconds_count",
-        "hybridserve:e2e_request_latency_seconds_count",
-        "hybridserve:request_prompt_tokens_count",
-        "hybridserve:request_generation_tokens_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
         "hybridserve:prefix_index_blocks",
         "hybridserve:prefix_index_snapshots",
     ):
         assert samples[(name, labels())] == 0.0, name
     for reason in ("stop", "length", "abort", "error"):
-        key = ("hybridserve:request_success_total", labels(finished_reason=reason))
+        key = ("vllm:request_success_total", labels(finished_reason=reason))
         assert samples[key] == 0.0
 
 
@@ -57,36 +57,45 @@ def test_observe_request():
         e2e_s=0.7,
         ttft_s=0.05,
         itl_s=[0.02, 0.03, 0.2],
+        queued_s=0.01,
+        max_generation_tokens=6,
     )
     metrics.observe_request(
         prompt_tokens=30, generation_tokens=0, cached_tokens=0, finish_reason="error", e2e_s=0.1
     )
     samples = scrape(metrics)
     expected = {
-        "hybridserve:prompt_tokens_total": 40,
-        "hybridserve:generation_tokens_total": 4,
-        "hybridserve:prefix_cache_queries_total": 40,
-        "hybridserve:prefix_cache_hits_total": 8,
-        "hybridserve:time_to_first_token_seconds_count": 1,
-        "hybridserve:time_to_first_token_seconds_sum": 0.05,
-        "hybridserve:inter_token_latency_seconds_count": 3,
-        "hybridserve:inter_token_latency_seconds_sum": 0.25,
-        "hybridserve:e2e_request_latency_seconds_count": 2,
-        "hybridserve:e2e_request_latency_seconds_sum": 0.8,
-        "hybridserve:request_prompt_tokens_sum": 40,
-        "hybridserve:request_generation_tokens_sum": 4,
+        "vllm:prompt_tokens_total": 40,
+        "vllm:generation_tokens_total": 4,
+        "vllm:prefix_cache_queries_total": 40,
+        "vllm:prefix_cache_hits_total": 8,
+        "vllm:time_to_first_token_seconds_count": 1,
+        "vllm:time_to_first_token_seconds_sum": 0.05,
+        "vllm:inter_token_latency_seconds_count": 3,
+        "vllm:inter_token_latency_seconds_sum": 0.25,
+        "vllm:e2e_request_latency_seconds_count": 2,
+        "vllm:e2e_request_latency_seconds_sum": 0.8,
+        "vllm:request_prompt_tokens_sum": 40,
+        "vllm:request_generation_tokens_sum": 4,
+        # vLLM's phases: queued 0.01, prefill until the first token, decode until the end.
+        "vllm:request_queue_time_seconds_sum": 0.01,
+        "vllm:request_prefill_time_seconds_sum": 0.04,
+        "vllm:request_decode_time_seconds_sum": 0.65,
+        "vllm:request_inference_time_seconds_sum": 0.69,
+        "vllm:request_queue_time_seconds_count": 1,  # the failed request had no first token
+        "vllm:request_max_num_generation_tokens_sum": 6,
     }
     for name, value in expected.items():
         assert samples[(name, labels())] == pytest.approx(value), name
-    success = "hybridserve:request_success_total"
+    success = "vllm:request_success_total"
     assert samples[(success, labels(finished_reason="stop"))] == 1
     assert samples[(success, labels(finished_reason="error"))] == 1
     assert samples[(success, labels(finished_reason="length"))] == 0
     # Buckets are cumulative: 0.02 and 0.03 fall at or under 0.05, 0.2 does not.
-    itl_bucket = "hybridserve:inter_token_latency_seconds_bucket"
+    itl_bucket = "vllm:inter_token_latency_seconds_bucket"
     assert samples[(itl_bucket, labels(le="0.05"))] == 2
     assert samples[(itl_bucket, labels(le="0.2"))] == 3
-    prompt_bucket = "hybridserve:request_prompt_tokens_bucket"
+    prompt_bucket = "vllm:request_prompt_tokens_bucket"
     assert samples[(prompt_bucket, labels(le="10.0"))] == 1
     assert samples[(prompt_bucket, labels(le="50.0"))] == 2
 
@@ -120,11 +129,11 @@ def test_engine_reports_are_exported_as_last_reported():
     metrics.set_prefix_index(num_blocks=12, num_snapshots=3)
     samples = scrape(metrics)
     prefill, decode = labels(engine="prefill-0"), labels(engine="decode-0")
-    assert samples[("hybridserve:num_requests_running", prefill)] == 3
-    assert samples[("hybridserve:num_requests_running", decode)] == 5
-    assert samples[("hybridserve:num_requests_waiting", prefill)] == 1
-    assert samples[("hybridserve:kv_cache_usage_perc", prefill)] == 0.25
-    assert samples[("hybridserve:num_preemptions_total", prefill)] == 2
+    assert samples[("vllm:num_requests_running", prefill)] == 3
+    assert samples[("vllm:num_requests_running", decode)] == 5
+    assert samples[("vllm:num_requests_waiting", prefill)] == 1
+    assert samples[("vllm:kv_cache_usage_perc", prefill)] == 0.25
+    assert samples[("vllm:num_preemptions_total", prefill)] == 2
     assert samples[("hybridserve:snapshot_hits_total", prefill)] == 7
     assert samples[("hybridserve:snapshot_misses_total", prefill)] == 1
     assert samples[("hybridserve:reused_tokens_total", prefill)] == 512
@@ -135,10 +144,10 @@ def test_engine_reports_are_exported_as_last_reported():
     assert samples[(failures, labels(engine="prefill-0", reason="peer_died"))] == 1
     refused = "hybridserve:transfer_links_refused_total"
     assert samples[(refused, labels(engine="decode-0", reason="unauthenticated"))] == 3
-    assert samples[("hybridserve:spec_decode_num_drafts_total", decode)] == 10
-    assert samples[("hybridserve:spec_decode_num_draft_tokens_total", decode)] == 40
-    assert samples[("hybridserve:spec_decode_num_accepted_tokens_total", decode)] == 25
-    per_position = "hybridserve:spec_decode_num_accepted_tokens_per_pos_total"
+    assert samples[("vllm:spec_decode_num_drafts_total", decode)] == 10
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", decode)] == 40
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", decode)] == 25
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert samples[(per_position, labels(engine="decode-0", position="2"))] == 5
     assert (per_position, labels(engine="prefill-0", position="0")) not in samples
     assert samples[("hybridserve:prefix_index_blocks", labels())] == 12
@@ -148,7 +157,7 @@ def test_engine_reports_are_exported_as_last_reported():
     metrics.update_engines({"prefill-0": {"snapshot_hits": 9}})
     samples = scrape(metrics)
     assert samples[("hybridserve:snapshot_hits_total", prefill)] == 9
-    assert ("hybridserve:num_requests_running", decode) not in samples
+    assert ("vllm:num_requests_running", decode) not in samples
 
 
 def test_malformed_engine_report_changes_nothing():
@@ -158,7 +167,7 @@ def test_malformed_engine_report_changes_nothing():
         metrics.update_engines(
             {"e0": {"num_requests_running": 2}, "e1": {"kv_cache_usage_perc": 2}}
         )
-    assert scrape(metrics)[("hybridserve:num_requests_running", labels(engine="e0"))] == 1
+    assert scrape(metrics)[("vllm:num_requests_running", labels(engine="e0"))] == 1
 
 
 def test_registries_are_private():
@@ -166,7 +175,7 @@ def test_registries_are_private():
     first.observe_request(
         prompt_tokens=3, generation_tokens=1, cached_tokens=0, finish_reason="length", e2e_s=1.0
     )
-    assert scrape(second)[("hybridserve:prompt_tokens_total", labels())] == 0
+    assert scrape(second)[("vllm:prompt_tokens_total", labels())] == 0
 
 
 def test_token_buckets():
@@ -202,6 +211,36 @@ def test_the_page_needs_an_api_key_only_when_configured(required):
             asyncio.run(server.scrape(anonymous))
     else:
         page = asyncio.run(server.scrape(anonymous))
-        assert b"hybridserve:prompt_tokens_total" in page.body
+        assert b"vllm:prompt_tokens_total" in page.body
     with pytest.raises(OpenAIError, match="missing API key"):
         asyncio.run(server.models(anonymous))
+
+
+def test_refusals_are_counted_by_reason():
+    metrics = ServiceMetrics("tiny", max_model_len=64)
+    metrics.observe_refusal("overloaded")
+    metrics.observe_refusal("overloaded")
+    samples = scrape(metrics)
+    refused = "hybridserve:requests_refused_total"
+    assert samples[(refused, labels(reason="overloaded"))] == 2
+    assert samples[(refused, labels(reason="no_engine"))] == 0
+
+
+def test_an_engine_s_transfer_times_are_a_histogram():
+    from hybridserve.cluster.metrics import HistogramCounts
+
+    times = HistogramCounts()
+    for seconds in (0.002, 0.003, 0.04, 100.0):
+        times.observe(seconds)
+    metrics = ServiceMetrics("tiny", max_model_len=64)
+    metrics.update_engines({"prefill-0": {"transfer_time_seconds": times.model_dump()}})
+    samples = scrape(metrics)
+    engine = {"engine": "prefill-0"}
+    bucket = "hybridserve:transfer_time_seconds_bucket"
+    assert samples[(bucket, labels(le="0.001", **engine))] == 0
+    assert samples[(bucket, labels(le="0.005", **engine))] == 2
+    assert samples[(bucket, labels(le="0.05", **engine))] == 3
+    assert samples[(bucket, labels(le="+Inf", **engine))] == 4
+    assert samples[("hybridserve:transfer_time_seconds_count", labels(**engine))] == 4
+    total = samples[("hybridserve:transfer_time_seconds_sum", labels(**engine))]
+    assert total == pytest.approx(100.045)

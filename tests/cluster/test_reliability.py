@@ -76,6 +76,11 @@ def test_a_burst_over_the_queue_limit_gets_200s_and_429s_and_nothing_else(admiss
     router = admission_service.topology()["router"]
     stats = ray.get(router.stats.remote())
     assert sum(stats["load"].values()) == 0 and stats["num_queued"] == 0
+    # Every refusal is counted, by reason.
+    page = httpx.get(f"{admission_service.base_url}/metrics").text
+    refused = 'hybridserve:requests_refused_total{model_name="tiny",reason="overloaded"}'
+    (line,) = [line for line in page.splitlines() if line.startswith(refused)]
+    assert float(line.rsplit(" ", 1)[1]) == statuses[429]
     assert_at_baseline(admission_service)
 
 

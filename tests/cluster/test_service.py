@@ -305,9 +305,9 @@ def test_metrics_expose_request_and_hybrid_counters(service):
     assert response.status_code == 200
     text = response.text
     for name in (
-        "hybridserve:prompt_tokens_total",
-        "hybridserve:generation_tokens_total",
-        "hybridserve:time_to_first_token_seconds_bucket",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
         "hybridserve:snapshot_hits_total",
         "hybridserve:transfer_bytes_total",
         "hybridserve:prefix_index_blocks",
@@ -322,6 +322,60 @@ def test_metrics_expose_request_and_hybrid_counters(service):
         ]
         assert values == [0.0] * 3, (name, values)
     assert httpx.get(f"{service.base_url}/v1/models").status_code == 401  # the API still is
+
+
+# The series vLLM's Grafana dashboard queries (examples/observability/prometheus_grafana/
+# grafana.json in vLLM's repository), as data: dashboards, KEDA rules and llm-d's scorers
+# written for vLLM read these names.
+VLLM_DASHBOARD = [
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+def series(text: str, name: str) -> list[float]:
+    """The values of every series of `name` on a scraped page."""
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+
+
+def test_vllm_s_grafana_dashboard_finds_every_series_it_queries(service):
+    before = httpx.get(f"{service.base_url}/metrics").text
+    client(service).completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=4)
+    text = httpx.get(f"{service.base_url}/metrics").text
+    for name in VLLM_DASHBOARD:
+        assert series(text, name), name
+    # The request counted in each latency histogram; its prompt crossed to a decode engine.
+    for name in (
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "hybridserve:transfer_time_seconds_count",
+    ):
+        assert sum(series(text, name)) > sum(series(before, name)), name
+    assert series(text, "hybridserve:requests_refused_total")  # at 0 until one is refused
 
 
 def test_clearing_the_caches_empties_the_prefix_index_at_once(service):

@@ -90,6 +90,8 @@ class RequestOutput:
     speculation: SpeculationStats | None = None
     # What stopped it, as vLLM reports it: the stop string (LLM), else the stop token id.
     stop_reason: str | int | None = None
+    # How long it waited in this engine before its prompt was first scheduled.
+    queued_s: float | None = None
 
     @property
     def finished(self) -> bool:

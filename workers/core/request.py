@@ -17,6 +17,7 @@ tokens are simply known tokens not computed yet, and the same rule computes them
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,10 @@ class Request:
     # between steps), and the request's proposer state and acceptance counts.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: RequestSpeculation | None = None
+    # When it reached this engine, and how long it waited there before its prompt was first
+    # scheduled (None until then): vLLM's queue time.
+    arrival_time: float = field(default_factory=time.monotonic)
+    queued_s: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -171,4 +176,5 @@ class Request:
             index=self.index,
             parent_request_id=self.parent_id,
             speculation=None if self.speculation is None else self.speculation.stats.copy(),
+            queued_s=self.queued_s,
         )

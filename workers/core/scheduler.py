@@ -30,6 +30,7 @@ executes, so nothing below the scheduler reads a `Request` or asks the cache any
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.queued_s is None:
+                request.queued_s = time.monotonic() - request.arrival_time
             self.running.append(request)
             out.add(request, num_new)
         self.waiting.extendleft(reversed(held))
