@@ -147,6 +147,18 @@ class ServiceConfig(BaseModel):
         "STRICT_PACK",
         description="how a tensor-parallel engine's bundles are placed (STRICT_PACK: one node)",
     )
+    placement_check: Literal["now", "wait"] = Field(
+        "now",
+        description="now: an engine the cluster's nodes cannot hold even when empty is refused "
+        "at start, naming what it asks and what the nodes have; wait: wait "
+        "placement_timeout_s for nodes to join (a cluster that autoscales)",
+    )
+    placement_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a tensor-parallel engine waits for its bundles when the cluster "
+        "has the resources but they are taken",
+    )
     torch_threads: int | dict[Role, int] | None = Field(
         None,
         description="CPU threads per engine, for every role or per role ({'prefill': 2, "

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridserve.cluster.config import ServiceConfig, cpu_wait
 from hybridserve.cluster.control.actors import EngineActor, RouterActor
+from hybridserve.cluster.control.placement import check_placeable
 from hybridserve.cluster.control.rank_actors import bundle_options
 from hybridserve.cluster.engine_host.cpu_binding import EnginePlacement, assign_cores, node_cores
 from hybridserve.transceiver.auth import new_secret
@@ -44,14 +45,35 @@ from hybridserve.workers import EngineConfig
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # an engine's actor answers health() on its event loop, at once
-PLACEMENT_TIMEOUT_S = 120.0
 
 
-@serve.deployment(num_replicas=1, health_check_period_s=5, health_check_timeout_s=30)
+# NOTE: one constructor attempt: what fails it (a placement the cluster cannot hold, a
+# checkpoint that does not load) fails again, and Serve would retry it without end.
+@serve.deployment(
+    num_replicas=1,
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    max_constructor_retry_count=1,
+)
 class Coordinator:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = ServiceConfig(**config)
+        # What shutdown reads, set before anything can fail: a start that fails halfway
+        # shuts down what it started.
+        self.engines: dict[str, Any] = {}
+        self.dead: set[str] = set()
+        self.placement_groups: dict[str, PlacementGroup] = {}
+        self._restarting: dict[str, asyncio.Task[None]] = {}
+        self.router: Any = None
+        try:
+            self._start()
+        except BaseException:
+            self._stop_started()
+            raise
+
+    def _start(self) -> None:
         names = self.config.engine_names()
+        self._check_placeable(names)
         prefill = [n for n, role in names.items() if role == "prefill"]
         decode = {
             n: self.config.engine_config(role).max_num_seqs
@@ -68,7 +90,6 @@ class Coordinator:
             self.config.max_queued_requests,
             self.config.transfer_host,
         )
-        self.placement_groups: dict[str, PlacementGroup] = {}
         self.resources: dict[str, dict[str, Any]] = {}
         # The deployment's transfer secret: its engines' links admit only each other.
         self.transfer_secret = new_secret()
@@ -76,10 +97,8 @@ class Coordinator:
         # incarnation numbers) start afresh, and reports about the old ones must not match.
         self.epoch = uuid.uuid4().hex
         self._choose_engine_env()
-        self.engines = {
-            name: self._start_engine(name, self.config.engine_config(role))
-            for name, role in names.items()
-        }
+        for name, role in names.items():
+            self.engines[name] = self._start_engine(name, self.config.engine_config(role))
         self.roles = names
         # Engines load their model in parallel; wait for all before taking traffic.
         described = ray.get([engine.describe.remote() for engine in self.engines.values()])
@@ -100,13 +119,43 @@ class Coordinator:
             self._bind_cores(list(self.engines))
         except Exception as exc:  # an optimisation: never a reason not to serve
             logger.warning("CPU binding skipped: %r", exc)
-        self.dead: set[str] = set()
         # A restarted engine is a new incarnation under its old name; reports about an older
         # one are stale (mark_dead ignores them).
         self.incarnations = dict.fromkeys(self.engines, 0)
         self.restarts: dict[str, int] = dict.fromkeys(self.engines, 0)
-        self._restarting: dict[str, asyncio.Task[None]] = {}
         logger.info("service ready: %s", ", ".join(f"{n} ({r})" for n, r in names.items()))
+
+    def _check_placeable(self, names: dict[str, Any]) -> None:
+        """Refuse at once a service whose engines the cluster's nodes cannot hold even empty
+        (placement_check "now"), naming what is missing."""
+        if self.config.placement_check != "now":
+            return
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        nodes = {
+            f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})": node["Resources"]
+            for node in ray.nodes()
+            if node["Alive"]
+        }
+        strategies = {
+            name: self.config.placement_strategy
+            for name, role in names.items()
+            if self.config.engine_config(role).tensor_parallel_size > 1
+        }
+        check_placeable(self.config.resource_demand(cluster_gpus), strategies, nodes)
+
+    def _stop_started(self) -> None:
+        """After a failed start: what was started goes (the engines, their placement groups,
+        the router)."""
+        for handle in self.engines.values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        for group in self.placement_groups.values():
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+        if self.router is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.router, no_restart=True)
+        self.engines, self.placement_groups, self.router = {}, {}, None
 
     def _start_engine(self, name: str, engine: EngineConfig, incarnation: int = 0) -> Any:
         """The engine's actor; a tensor-parallel engine's first in its own placement group."""
@@ -128,13 +177,15 @@ class Coordinator:
             )
         bundle = self.config.rank_bundle(engine.role, cluster_gpus)
         group = placement_group([bundle] * tp, strategy=self.config.placement_strategy)
+        timeout = self.config.placement_timeout_s
         try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(group.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
             raise RuntimeError(
                 f"engine {name} needs {tp} bundles of {bundle} ({self.config.placement_strategy})"
-                f" and the cluster could not place them within {PLACEMENT_TIMEOUT_S:.0f} s"
+                f" and the cluster could not place them within placement_timeout_s={timeout:g} "
+                "s: their resources are taken"
             ) from None
         self.placement_groups[name] = group
         self.resources[name] = {

@@ -77,9 +77,28 @@ def deploy(
     from hybridserve.cluster.control.app import build_app
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    try:
+        serve.run(build_app(config), name=name, route_prefix=route_prefix)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} {_why_not_running(name)}".strip()) from None
     host, port = serving_address()
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def _why_not_running(name: str) -> str:
+    """What Serve says about an application that failed to deploy: each failed deployment's
+    own message (a constructor's exception), which its generic error leaves out."""
+    from ray import serve
+
+    application = serve.status().applications.get(name)
+    if application is None:
+        return ""
+    messages = [
+        f"{deployment}: {status.message}"
+        for deployment, status in application.deployments.items()
+        if status.message
+    ]
+    return " ".join(messages) or application.message
 
 
 def serving_address() -> tuple[str, int]:

@@ -86,7 +86,9 @@ class MultiprocExecutor(RankGroupExecutor):
         with _main_module_hidden():
             for process in self._processes:
                 process.start()
-        weakref.finalize(self, _kill_all, self._processes)
+        # Collected without a shutdown: the ranks go with it (at exit, rank_group's hook
+        # stops them cleanly first).
+        weakref.finalize(self, _kill_all, self._processes).atexit = False
 
     def _exited(self, timeout: float) -> int | None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes, start=1)}

@@ -19,6 +19,7 @@ every rank, which makes rank 0's blocked collective fail at once; `execute` then
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -26,6 +27,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -140,6 +142,19 @@ def run_rank(
         raise
 
 
+# Executors whose ranks run: at interpreter exit each is shut down as `shutdown()` does (its
+# ranks told to stop and awaited), before anything kills them: a script that made an LLM of
+# several ranks and ends exits 0, quietly. Registered at import, so it runs after the exit
+# hooks registered later (atexit runs last-in first-out), multiprocessing's among them.
+_RUNNING: weakref.WeakSet[RankGroupExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_running() -> None:
+    for executor in list(_RUNNING):
+        executor.shutdown()
+
+
 class RankGroupExecutor(Executor):
     """Rank 0's side of a multi-rank engine; subclasses launch and supervise the others."""
 
@@ -179,6 +194,7 @@ class RankGroupExecutor(Executor):
             target=self._watch, name="hybridserve-rank-watchdog", daemon=True
         )
         self._watchdog.start()
+        _RUNNING.add(self)
         logger.info("%d ranks ready (%s)", self.world_size, type(self).__name__)
 
     # ---- what a launcher provides ---------------------------------------------------------
@@ -327,6 +343,7 @@ class RankGroupExecutor(Executor):
         return self._exit_reason(rank) or "it stopped answering"
 
     def shutdown(self) -> None:
+        _RUNNING.discard(self)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

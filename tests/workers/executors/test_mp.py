@@ -136,3 +136,23 @@ def test_rank_processes_leave_when_the_engine_process_is_killed(tmp_path):
     while not gone(pids[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(pids[0]), "the rank process outlived the killed engine process"
+
+
+def test_a_script_that_ends_with_its_engines_running_exits_0_quietly(tmp_path):
+    """Two engines of two ranks each, left running when the script ends: the exit hook stops
+    their ranks cleanly (no "rank died" errors, no C++ abort) and the exit status is 0."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from hybridserve.workers import LLM, SamplingParams
+            first = LLM("tiny", tensor_parallel_size=2, max_model_len=64, num_kv_blocks=16)
+            second = LLM("tiny", tensor_parallel_size=2, max_model_len=64, num_kv_blocks=16)
+            first.generate("hello", SamplingParams(max_tokens=2))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
