@@ -105,7 +105,7 @@ def test_prompt_logprobs_are_returned_wherever_asked_for(api, route):
                 stream=stream,
                 extra_body={"prompt_logprobs": 2},
             )
-            first = list(reply)[0] if stream else reply
+            first, *_ = reply if stream else [reply]  # a stream is read to its end
             entries = first.choices[0].model_extra["prompt_logprobs"]
             assert entries[0] is None and len(entries) == len(prompt_ids)
             pairs = zip(prompt_ids[1:], entries[1:], strict=True)
