@@ -2,6 +2,7 @@
 
     hybridserve generate --model tiny --prompt "hello" --max-tokens 16
     hybridserve serve Qwen/Qwen3-Next-80B-A3B-Instruct --tensor-parallel-size 4
+    hybridserve run-batch -i requests.jsonl -o results.jsonl --model tiny
     hybridserve export-tiny ./tiny-checkpoint
 
 Every command takes `--config file.yaml` (keys as on the command line, kebab- or snake_case;
@@ -180,6 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(serve, EngineConfig, skip=("role",))
     _add_common(serve)
     serve.set_defaults(handler=_serve)
+
+    batch = commands.add_parser(
+        "run-batch",
+        formatter_class=formatter,
+        help="run an OpenAI batch file, offline or against a running service",
+        description="Run every request of an OpenAI batch file (JSON lines of custom_id, "
+        "method, url, body) and write one result line each, in input order: offline through "
+        "the server's routes on an engine in this process, or against --url.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file (.jsonl)")
+    batch.add_argument("-o", "--output-file", required=True, help="where results go (.jsonl)")
+    batch.add_argument("--url", help="a running service's base URL (default: run offline)")
+    batch.add_argument("--api-key", help="the service's bearer key (with --url)")
+    batch.add_argument(
+        "--max-concurrency", type=int, default=64, help="requests at once (default: 64)"
+    )
+    batch.add_argument("--chat-template", help="a chat template file (offline)")
+    batch.add_argument("--tool-call-parser", default="auto", help="as for serve (offline)")
+    batch.add_argument("--reasoning-parser", default="auto", help="as for serve (offline)")
+    add_model_options(batch, EngineConfig, skip=("role",))
+    _add_common(batch)
+    batch.set_defaults(handler=_run_batch)
 
     bench = commands.add_parser(
         "bench", formatter_class=formatter, help="benchmarks against a running service"
@@ -418,6 +441,36 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _run_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hybridserve.cluster.run_batch import run_batch
+
+    config = None
+    if args.url is None:
+        engine = model_values(args, EngineConfig)
+        config = ServiceConfig(
+            model=engine.pop("model", "tiny"),
+            num_prefill=0,
+            engine=engine,
+            chat_template=args.chat_template,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
+    counts = run_batch(
+        Path(args.input_file),
+        Path(args.output_file),
+        config=config,
+        url=args.url,
+        api_key=args.api_key,
+        max_concurrency=args.max_concurrency,
+        progress=sys.stderr.isatty(),
+    )
+    print(
+        f"hybridserve run-batch: {counts['completed']} completed, {counts['failed']} failed; "
+        f"results in {args.output_file}"
+    )
+    return 0
 
 
 def _export_tiny(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

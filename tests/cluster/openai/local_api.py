@@ -5,11 +5,10 @@ the service tests' (tests/service.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,41 +17,16 @@ import uvicorn
 
 from hybridserve.cluster.config import ServiceConfig
 from hybridserve.cluster.engine_host.host import EngineHost
-from hybridserve.cluster.messages import GenerateRequest, TokenEvent
+from hybridserve.cluster.engine_host.in_process import InProcessService
 from hybridserve.cluster.openai.routes import OpenAIServer, api, current_server
-
-
-class HostService:
-    """The routes' `Service` over one engine host in this process."""
-
-    def __init__(self, host: EngineHost, config: ServiceConfig) -> None:
-        self.host = host
-        self.config = config
-
-    async def model(self) -> dict[str, Any]:
-        described = self.host.describe()
-        keys = ("vocab_size", "max_model_len", "eos_token_ids")
-        return {"model_id": self.config.model_id} | {k: described[k] for k in keys}
-
-    async def healthy(self) -> bool:
-        return True
-
-    async def stats(self) -> dict[str, Any]:
-        return {
-            "engines": {self.host.name: self.host.stats()},
-            "router": {"num_blocks": 0, "num_snapshots": 0},
-        }
-
-    def events(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        return self.host.generate(request)
 
 
 @contextmanager
 def local_api(**service: Any) -> Iterator[tuple[str, EngineHost]]:
     """(base URL, engine host) of the API served for a ServiceConfig of `service`."""
     config = ServiceConfig(**({"num_prefill": 0} | service))
-    host = EngineHost("local", config.engine_config("colocated"))
-    server = OpenAIServer(config, HostService(host, config))
+    in_process = InProcessService(config)
+    server = OpenAIServer(config, in_process)
     # NOTE: the routes' own app, bound to this server (nothing else serves it in a test run).
     api.dependency_overrides[current_server] = lambda: server
     with socket.socket() as probe:
@@ -67,17 +41,13 @@ def local_api(**service: Any) -> Iterator[tuple[str, EngineHost]]:
             raise RuntimeError("the local API did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}/v1", host
+        yield f"http://127.0.0.1:{port}/v1", in_process.host
     finally:
         http.should_exit = True
         thread.join(timeout=10)
         api.dependency_overrides.pop(current_server, None)
-        host.shutdown()
+        in_process.shutdown()
 
 
 def local_client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
