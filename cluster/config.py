@@ -113,6 +113,11 @@ class ServiceConfig(BaseModel):
         description="a chat template (a file, or the template itself) instead of the "
         "checkpoint's own",
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="whether a request may bring its own chat_template (as vLLM's flag: a "
+        "template is code the server runs, and an endless loop in one stalls the ingress)",
+    )
     tool_call_parser: str = Field(
         "auto",
         description="how tool calls are read from the output: hermes, qwen3_coder, "

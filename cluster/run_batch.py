@@ -70,7 +70,9 @@ def read_batch(path: Path) -> list[BatchLine]:
     batch = [BatchLine(number, text) for number, text in enumerate(lines, start=1)]
     seen: set[str] = set()
     for line in batch:
-        if line.problem is None and line.custom_id in seen:
+        if line.problem is not None:
+            continue
+        if line.custom_id in seen:
             line.problem = f"line {line.number}: custom_id {line.custom_id!r} is not unique"
         seen.add(line.custom_id or "")
     return batch
@@ -157,6 +159,8 @@ def run_batch(
 ) -> dict[str, int]:
     """Run a batch file, offline with `config` or against the service at `url`; writes
     `output_path` and returns {"completed", "failed"}."""
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     batch = read_batch(input_path)
 
     async def run(client: httpx.AsyncClient) -> list[dict[str, Any]]:

@@ -2,9 +2,10 @@
 
 Ray waits for a placement group it cannot place (an autoscaler may add nodes), so an engine
 asking for what the cluster does not have would otherwise be found out only at a timeout.
-`check_placeable` packs every engine's bundles onto the nodes' total resources, first fit in
-the order the Coordinator starts them, following each engine's placement strategy; the first
-engine that does not fit is refused with what it asked for and what the nodes have. It is a
+`check_placeable` packs every engine's bundles onto the nodes' total resources, first fit,
+following each engine's placement strategy, in the order the Coordinator starts them and
+largest first; when neither fits, the first engine that did not is refused with what it asked
+for and what the nodes have. It is a
 check against an empty cluster: it says "never", not "now" (the Coordinator still waits, up to
 `placement_timeout_s`, for resources that are there but taken).
 """
@@ -28,15 +29,40 @@ def check_placeable(
     """`demand`: engine -> one bundle per rank; `strategies`: engine -> placement strategy
     (engines of one rank: any); `nodes`: node -> total resources. Raises Unplaceable naming
     the first engine that cannot be placed, with what it asks and what the nodes have."""
+
+    # First fit can fail where another order fits (a small engine on the one big node): the
+    # largest engines first is tried too. Refused only when neither order fits.
+    def size(engine: str) -> tuple[float, float]:
+        bundles = demand[engine]
+        return (
+            sum(b.get("GPU", 0.0) for b in bundles),
+            sum(sum(b.values()) for b in bundles),
+        )
+
+    orders = [list(demand), sorted(demand, key=size, reverse=True)]
+    refusals = [_pack(order, demand, strategies, nodes) for order in orders]
+    if all(refusals):
+        raise Unplaceable(refusals[0])
+
+
+def _pack(
+    order: Sequence[str],
+    demand: Mapping[str, Sequence[Bundle]],
+    strategies: Mapping[str, str],
+    nodes: Mapping[str, Bundle],
+) -> str | None:
+    """Why packing the engines in `order` fails (None: it fits)."""
     free = {node: dict(resources) for node, resources in nodes.items()}
-    for engine, bundles in demand.items():
+    for engine in order:
+        bundles = demand[engine]
         strategy = strategies.get(engine, "PACK")
         placed = _place(bundles, strategy, free)
         if placed is None:
-            raise Unplaceable(_message(engine, bundles, strategy, nodes, free))
+            return _message(engine, bundles, strategy, nodes, free)
         for node, bundle in placed:
             for name, amount in bundle.items():
                 free[node][name] = free[node].get(name, 0.0) - amount
+    return None
 
 
 def _fits(bundle: Bundle, resources: Mapping[str, float]) -> bool:

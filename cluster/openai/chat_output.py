@@ -89,7 +89,11 @@ class ChatOutputParser:
         tools: ToolCallExtractor | ForcedToolCalls | None,
         include_reasoning: bool = True,
         parallel_tool_calls: bool = True,
+        calls_finish: bool = True,
     ) -> None:
+        """`calls_finish`: a choice that called tools ends with finish_reason "tool_calls"
+        (OpenAI's for auto and required; a named function's call ends with "stop")."""
+        self.calls_finish = calls_finish
         self.reasoning = reasoning
         self.tools = tools
         self.include_reasoning = include_reasoning
@@ -182,4 +186,5 @@ class ChatParsing:
             tools=tools,
             include_reasoning=body.include_reasoning,
             parallel_tool_calls=body.parallel_tool_calls,
+            calls_finish=mode != "named",
         )

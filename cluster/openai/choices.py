@@ -101,10 +101,12 @@ async def choice_deltas(
     choices: list[ChoiceStream],
     stats: RequestStats,
     clock: Any,
+    start: float,
 ) -> AsyncIterator[ChoiceDelta]:
     """Every choice's deltas as its events arrive; returns once every choice is done.
-    Raises OpenAIError for an engine-side error (500) or abort (503)."""
-    start = last = clock()
+    `start` (on `clock`) is when the request arrived: its TTFT counts from there. Raises
+    OpenAIError for an engine-side error (500) or abort (503)."""
+    last = start
     async for event in events:
         now = clock()
         if event.token_ids:

@@ -11,9 +11,10 @@ output starts:
 - templates that render an empty block when thinking is off (`enable_thinking=False`): the
   prompt has closed it, and the output is all content.
 
-So the parser reads the rendered prompt: an open `<think>` at its end means the output starts
-in the reasoning. An output that ends before `</think>` is all reasoning, as vLLM's parsers
-return it. The newlines the markers are written with are not part of either text.
+So the parser reads the rendered prompt: a `<think>` at its very end (the generation prompt
+opened the block) means the output starts in the reasoning. An output that ends before
+`</think>` is all reasoning, as vLLM's parsers return it. The newlines the markers are written
+with are not part of either text.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ class ThinkParser:
     end: ClassVar[str] = "</think>"
 
     def __init__(self, prompt_text: str) -> None:
-        opened, closed = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
-        # "opening": the output may still open a block (only first, after whitespace).
-        self.state = "reasoning" if opened > closed else "opening"
+        # Only the generation prompt's end counts: a `<think>` a user wrote earlier in the
+        # conversation opens nothing. "opening": the output may still open a block (first,
+        # after whitespace).
+        opened = prompt_text.rstrip().endswith(self.start)
+        self.state = "reasoning" if opened else "opening"
         self.buffer = ""
         self.strip_newlines = self.state == "reasoning"
 

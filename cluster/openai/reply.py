@@ -45,6 +45,8 @@ class Reply:
     ) -> None:
         """`parsers`: one per choice of a chat request, reading its text as a message."""
         self.tokenizer = tokenizer
+        # When the request arrived, before routing and admission: latencies count from here.
+        self.arrived = time.monotonic()
         self.parsers = list(parsers)
         self.called = [False] * len(self.parsers)  # whether a choice has made tool calls
         self.body_request = body
@@ -79,7 +81,7 @@ class Reply:
         return self.request.params.logprobs is not None
 
     def deltas(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[ChoiceDelta]:
-        return choice_deltas(events, self.streams, self.stats, time.monotonic)
+        return choice_deltas(events, self.streams, self.stats, time.monotonic, self.arrived)
 
     # ---- non-streaming ---------------------------------------------------------------------
 
@@ -94,8 +96,9 @@ class Reply:
     def _finish_reason(
         self, index: int, reason: str | None, message: MessageDelta | None
     ) -> str | None:
-        """OpenAI's "tool_calls" for a choice that ended on its own after calling tools."""
-        if message is not None and message.tool_calls:
+        """OpenAI's "tool_calls" for a choice that ended on its own after calling tools
+        (auto and required; a named function's call ends with "stop")."""
+        if message is not None and message.tool_calls and self.parsers[index].calls_finish:
             self.called[index] = True
         if reason == "stop" and self.parsers and self.called[index]:
             return "tool_calls"

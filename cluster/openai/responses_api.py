@@ -293,8 +293,9 @@ class ResponseState:
         }
 
     def assistant_message(self) -> dict[str, Any]:
-        """The output as the chat turn the conversation continues from."""
-        message: dict[str, Any] = {"role": "assistant", "content": None}
+        """The output as the chat turn the conversation continues from (its content empty,
+        not absent, when it wrote none: cut while reasoning, or nothing at all)."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
         for item in self.output:
             if item["type"] == "reasoning":
                 message["reasoning_content"] = item["content"][0]["text"]
@@ -469,28 +470,35 @@ class ResponseEvents:
 
 
 class ResponseStore:
-    """Stored responses of this ingress replica: id -> (the conversation through the
-    response, as chat messages without instructions; the response body). The oldest go
-    first past `capacity`."""
+    """Stored responses of this ingress replica: id -> (its tenant; the conversation through
+    the response, as chat messages without instructions; the response body). A response is
+    its tenant's only: another tenant's id reads as unknown. The oldest go first past
+    `capacity`."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: collections.OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = (
-            collections.OrderedDict()
-        )
+        self._entries: collections.OrderedDict[
+            str, tuple[str | None, list[dict[str, Any]], dict[str, Any]]
+        ] = collections.OrderedDict()
 
     def put(
-        self, response_id: str, conversation: list[dict[str, Any]], body: dict[str, Any]
+        self,
+        response_id: str,
+        tenant: str | None,
+        conversation: list[dict[str, Any]],
+        body: dict[str, Any],
     ) -> None:
         if self.capacity == 0:
             return
-        self._entries[response_id] = (conversation, body)
+        self._entries[response_id] = (tenant, conversation, body)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def get(
+        self, response_id: str, tenant: str | None
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry[0] != tenant:
             raise OpenAIError(
                 404,
                 f"Response with id '{response_id}' not found (responses are kept in memory, the "
@@ -499,10 +507,10 @@ class ResponseStore:
                 code="response_not_found",
             )
         self._entries.move_to_end(response_id)
-        return entry
+        return entry[1], entry[2]
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
+    def delete(self, response_id: str, tenant: str | None) -> None:
+        self.get(response_id, tenant)
         del self._entries[response_id]
 
 

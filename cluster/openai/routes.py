@@ -265,7 +265,7 @@ class OpenAIServer:
         body = await self._body(request, ResponsesRequest)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            history = self.stored_responses.get(body.previous_response_id)[0]
+            history = self.stored_responses.get(body.previous_response_id, tenant)[0]
         chat = self._parse(body.chat_request(history), ChatCompletionRequest)
         prompt, parsing = self._render(chat)
         state = ResponseState(body, model=(await self._model())["model_id"])
@@ -276,36 +276,36 @@ class OpenAIServer:
         )
         conversation = [*history, *input_messages(body.input)]
         if body.stream:
-            frames = self._response_events(events, reply, state, conversation)
+            frames = self._response_events(events, reply, state, (tenant, conversation))
             return StreamingResponse(frames, media_type="text/event-stream")
         completion = await self._collect(events, reply)
         (choice,) = completion["choices"]
         state.output = output_items(choice["message"])
         state.finish(choice["finish_reason"], completion["usage"])
-        self._keep(state, conversation)
+        self._keep(state, tenant, conversation)
         return JSONResponse(state.body())
 
     async def response(self, request: Request, response_id: str) -> dict[str, Any]:
-        """GET /v1/responses/{id}: a stored response."""
-        self._tenant(request)
-        return self.stored_responses.get(response_id)[1]
+        """GET /v1/responses/{id}: a stored response (its tenant's only)."""
+        return self.stored_responses.get(response_id, self._tenant(request))[1]
 
     async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
-        self._tenant(request)
-        self.stored_responses.delete(response_id)
+        self.stored_responses.delete(response_id, self._tenant(request))
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def _keep(self, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
+    def _keep(
+        self, state: ResponseState, tenant: str | None, conversation: list[dict[str, Any]]
+    ) -> None:
         if state.request.store:
             conversation = [*conversation, state.assistant_message()]
-            self.stored_responses.put(state.id, conversation, state.body())
+            self.stored_responses.put(state.id, tenant, conversation, state.body())
 
     async def _response_events(
         self,
         events: AsyncIterator[TokenEvent],
         reply: Reply,
         state: ResponseState,
-        conversation: list[dict[str, Any]],
+        stored: tuple[str | None, list[dict[str, Any]]],
     ) -> AsyncIterator[str]:
         """The Responses API's stream: its events from the chat reply's chunks; a failure
         midway is an `error` event, and the response is not stored."""
@@ -321,13 +321,16 @@ class OpenAIServer:
                     yield sse_named_event(event)
             for event in stream.finish(finish, reply.usage().to_dict()):
                 yield sse_named_event(event)
-            self._keep(state, conversation)
-        except OpenAIError as exc:
-            error = {"code": exc.code or exc.type, "message": exc.message, "param": exc.param}
-            yield sse_named_event(stream.event("error", **error))
+            self._keep(state, *stored)
         except asyncio.CancelledError:
             logger.info("response %s: client disconnected", state.id)
             raise
+        except Exception as exc:
+            if not isinstance(exc, OpenAIError):
+                logger.exception("response %s failed mid-stream", state.id)
+                exc = OpenAIError(500, f"the request failed: {exc}", type="server_error")
+            error = {"code": exc.code or exc.type, "message": exc.message, "param": exc.param}
+            yield sse_named_event(stream.event("error", **error))
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -343,6 +346,13 @@ class OpenAIServer:
         cannot read back from the output."""
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer or chat template")
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise OpenAIError(
+                400,
+                "chat_template: this server runs only its own chat template "
+                "(trust_request_chat_template is off).",
+                param="chat_template",
+            )
         try:
             template = self.tokenizer.template(body.chat_template)
         except ChatTemplateError as exc:
@@ -461,21 +471,34 @@ class OpenAIServer:
         one is refused, the others are aborted and the refusal is the answer."""
         model = await self._model()
         meta = ResponseMeta.new(model["model_id"], chat=False)
-        started: list[tuple[Reply, AsyncIterator[TokenEvent]]] = []
-        try:
-            for index, prompt in enumerate(prompts):
-                part = dataclasses.replace(meta, id=f"{meta.id}-{index}")
-                started.append(await self._start(body, prompt, tenant, chat=False, meta=part))
-        except BaseException:
+        # Admitted side by side: each start waits for its prompt's first token.
+        outcomes = await asyncio.gather(
+            *(
+                self._start(
+                    body,
+                    prompt,
+                    tenant,
+                    chat=False,
+                    meta=dataclasses.replace(meta, id=f"{meta.id}-{i}"),
+                )
+                for i, prompt in enumerate(prompts)
+            ),
+            return_exceptions=True,
+        )
+        started = [o for o in outcomes if not isinstance(o, BaseException)]
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
             for _, events in started:
-                await events.aclose()
-            raise
+                await events.aclose()  # aborts them on their engines
+            raise failed[0]
         batch = BatchReply(meta, [reply for reply, _ in started], body.n)
         if body.stream:
             frames = self._sse_batch(started, batch)
             return StreamingResponse(frames, media_type="text/event-stream")
-        bodies = await asyncio.gather(*(self._collect(events, reply) for reply, events in started))
-        return JSONResponse(batch.body(bodies))
+        # One failing prompt (a deadline, an engine error) cancels the others, which aborts them.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._collect(events, reply)) for reply, events in started]
+        return JSONResponse(batch.body([task.result() for task in tasks]))
 
     async def _sse_batch(
         self, started: list[tuple[Reply, AsyncIterator[TokenEvent]]], batch: BatchReply
@@ -512,7 +535,7 @@ class OpenAIServer:
         async for frame in _sse_frames(merged(), batch, batch.meta.id):
             yield frame
 
-    def _observe(self, reply: Reply, start: float) -> None:
+    def _observe(self, reply: Reply) -> None:
         if self.metrics is not None:
             stats = reply.stats
             self.metrics.observe_request(
@@ -520,7 +543,7 @@ class OpenAIServer:
                 generation_tokens=stats.num_tokens,
                 cached_tokens=stats.num_cached_tokens,
                 finish_reason=stats.finish_reason or "abort",
-                e2e_s=time.monotonic() - start,
+                e2e_s=time.monotonic() - reply.arrived,
                 ttft_s=stats.ttft,
                 itl_s=stats.itl,
                 queued_s=stats.queued_s,
@@ -528,7 +551,6 @@ class OpenAIServer:
             )
 
     async def _collect(self, events: AsyncIterator[TokenEvent], reply: Reply) -> dict[str, Any]:
-        start = time.monotonic()
         try:
             async for delta in reply.deltas(events):
                 reply.add(delta)
@@ -539,14 +561,13 @@ class OpenAIServer:
             raise OpenAIError(500, f"the request failed: {exc}", type="server_error") from None
         finally:
             await events.aclose()
-            self._observe(reply, start)
+            self._observe(reply)
         return reply.body()
 
     async def _chunks(
         self, events: AsyncIterator[TokenEvent], reply: Reply
     ) -> AsyncIterator[dict[str, Any]]:
         """The request's stream chunks; its events are closed (and it is counted) at the end."""
-        start = time.monotonic()
         try:
             async for delta in reply.deltas(events):
                 chunk = reply.chunk(delta)
@@ -554,7 +575,7 @@ class OpenAIServer:
                     yield chunk
         finally:
             await events.aclose()
-            self._observe(reply, start)
+            self._observe(reply)
 
     def _sse(self, events: AsyncIterator[TokenEvent], reply: Reply) -> AsyncIterator[str]:
         return _sse_frames(self._chunks(events, reply), reply, reply.request.request_id)

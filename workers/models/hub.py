@@ -15,8 +15,14 @@ import os
 import re
 from pathlib import Path
 
-# What an engine reads of a checkpoint: weights, configs, tokenizer, chat template.
-CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+# What each reader of a checkpoint needs: configuration checks read config.json, the ingress
+# the tokenizer and chat template, an engine everything (weights too). An id is downloaded
+# only as far as its reader needs: a CPU ingress never fetches the weights.
+FILES = {
+    "config": ["*.json"],
+    "tokenizer": ["*.json", "*.jinja", "tokenizer.model", "*.txt"],
+    "all": ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"],
+}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -26,21 +32,22 @@ def is_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and not Path(model).expanduser().exists()
 
 
-def model_folder(model: str) -> Path:
+def model_folder(model: str, files: str = "all") -> Path:
     """The folder holding `model`'s files: the folder itself, or the cached snapshot of a
-    Hugging Face id (downloaded first when the Hub answers). FileNotFoundError names what
-    was looked for and where."""
+    Hugging Face id with at least `files` ("config", "tokenizer" or "all"; downloaded first
+    when the Hub answers). FileNotFoundError names what was looked for and where."""
     folder = Path(model).expanduser()
     if folder.is_dir() or not is_repo_id(model):
         return folder
     cache = os.environ.get("HF_HUB_CACHE") or (
         str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
     )
-    return _snapshot(model, cache, os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+    return _snapshot(model, cache, offline, files)
 
 
 @functools.cache
-def _snapshot(repo_id: str, cache: str | None, offline: bool) -> Path:
+def _snapshot(repo_id: str, cache: str | None, offline: bool, files: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -49,7 +56,7 @@ def _snapshot(repo_id: str, cache: str | None, offline: bool) -> Path:
             snapshot_download(
                 repo_id,
                 cache_dir=cache,
-                allow_patterns=CHECKPOINT_FILES,
+                allow_patterns=FILES[files],
                 local_files_only=offline,
             )
         )

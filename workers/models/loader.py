@@ -121,7 +121,7 @@ def load_tokenizer(model: str) -> Tokenizer | None:
         from hybridserve.workers.models.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
-    folder = model_folder(model)
+    folder = model_folder(model, "tokenizer")
     return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
 
 
@@ -173,7 +173,7 @@ def _raw_config(model: str) -> tuple[dict[str, Any], str]:
         from hybridserve.workers.models.tiny import TINY_CONFIG
 
         return dict(TINY_CONFIG), "tiny/config.json"
-    config_file = model_folder(model) / "config.json"
+    config_file = model_folder(model, "config") / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
             f"model {model!r}: no config.json there (expected 'tiny', an HF-format "

@@ -41,6 +41,14 @@ def test_engines_are_packed_together_not_one_by_one():
     assert "a: {'CPU': 4.0, 'GPU': 1.0}, {'CPU': 4.0, 'GPU': 0.0} left" in message
 
 
+def test_an_order_other_than_the_start_order_is_tried():
+    """First fit in start order puts the one-GPU prefill engine on the two-GPU node, and the
+    two-rank STRICT_PACK decode engine fits nowhere; largest first, both fit."""
+    nodes = {"big": {"GPU": 2.0}, "small": {"GPU": 1.0}}
+    demand = {"prefill-0": [RANK], "decode-0": [RANK, RANK]}
+    check_placeable(demand, {"decode-0": "STRICT_PACK"}, nodes)
+
+
 def test_strict_spread_needs_as_many_nodes_as_ranks():
     with pytest.raises(Unplaceable, match="STRICT_SPREAD"):
         check_placeable({"e": [{"CPU": 1.0}] * 3}, {"e": "STRICT_SPREAD"}, TWO_NODES)

@@ -49,5 +49,5 @@ def local_api(**service: Any) -> Iterator[tuple[str, EngineHost]]:
         in_process.shutdown()
 
 
-def local_client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+def local_client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)

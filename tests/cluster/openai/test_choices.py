@@ -32,7 +32,7 @@ def run(
     async def texts(deltas: AsyncIterator) -> str:
         return "".join([delta.text async for delta in deltas])
 
-    stream = choice_deltas(arriving(events, clock), choices, stats, lambda: clock[0])
+    stream = choice_deltas(arriving(events, clock), choices, stats, lambda: clock[0], 0.0)
     return asyncio.run(texts(stream)), stats
 
 

@@ -114,6 +114,8 @@ def test_qwen3_coder_parameters_take_their_schema_types():
         ("assistant\n", "Plain answer.", "", "Plain answer."),
         # Cut inside the reasoning: all of it is reasoning.
         ("assistant\n<think>\n", "still thinking", "still thinking", ""),
+        # A <think> the user wrote earlier opens nothing: only the prompt's end counts.
+        ("user\nwhat is <think>?\nassistant\n", "A tag.", "", "A tag."),
     ],
 )
 def test_reasoning_is_split_where_the_markers_are(prompt, output, reasoning, content, how):

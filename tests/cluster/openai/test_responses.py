@@ -27,10 +27,13 @@ GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "max_output_token
 ENGINE = {"max_num_seqs": 4, "num_kv_blocks": 96, "max_model_len": 1024}
 
 
+KEYS = ["key-a", "key-b"]  # two tenants
+
+
 @pytest.fixture(scope="module")
 def api() -> Iterator[tuple[openai.OpenAI, Any]]:
-    with local_api(engine=ENGINE, responses_store_size=2) as (url, host):
-        yield local_client(url), host
+    with local_api(engine=ENGINE, responses_store_size=2, api_keys=KEYS) as (url, host):
+        yield local_client(url, KEYS[0]), host
 
 
 @pytest.fixture(autouse=True)
@@ -177,3 +180,27 @@ def test_the_store_keeps_the_newest_responses(api):
     unstored = client.responses.create(**GREEDY, input="not kept", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_a_stored_response_is_its_tenant_s_only(api):
+    client, _ = api
+    stored = client.responses.create(**GREEDY, input="mine")
+    other = local_client(str(client.base_url), KEYS[1])
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(**GREEDY, input="and?", previous_response_id=stored.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(stored.id)
+    assert client.responses.retrieve(stored.id).id == stored.id
+
+
+def test_a_response_without_text_continues_as_an_empty_turn():
+    """Cut while reasoning, a response has no message: the conversation it continues from
+    still holds a valid assistant turn."""
+    from hybridserve.cluster.openai.protocol import ChatMessage
+    from hybridserve.cluster.openai.responses_api import ResponsesRequest, ResponseState
+
+    state = ResponseState(ResponsesRequest.model_validate({"input": "hi"}))
+    message = state.assistant_message()
+    assert ChatMessage.model_validate(message).content == ""

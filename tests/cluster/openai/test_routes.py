@@ -321,10 +321,8 @@ def test_json_object_regex_and_choice_constraints(service):
 BAD_CHATS = [
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-    (
-        {"tools": [{"type": "function", "function": {"name": "f"}}], "chat_template": "{{ 1 }}"},
-        "tools",
-    ),
+    # A request's own template is code: refused unless trust_request_chat_template.
+    ({"chat_template": "{{ 1 }}"}, "chat_template"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"top_logprobs": 2}, "top_logprobs"),
