@@ -192,10 +192,12 @@ def test_serve_a_hugging_face_id_from_the_cache_offline(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-")
         deadline = time.monotonic() + 180
         while True:
+            # Nothing listens at first; then Serve's proxy answers 404 until the application
+            # is routed.
             try:
                 models = client.models.list()
                 break
-            except openai.APIConnectionError:
+            except (openai.APIConnectionError, openai.NotFoundError):
                 assert server.poll() is None, server.stdout.read()
                 assert time.monotonic() < deadline, "the service did not start"
                 time.sleep(1)
