@@ -11,6 +11,8 @@ import pytest
 import tomllib
 
 from hybridserve.cluster import config_reference
+from hybridserve.workers import support_table
+from hybridserve.workers.models.registry import ADAPTERS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -41,6 +43,18 @@ def test_every_package_is_installed():
 def test_the_configuration_reference_is_the_generated_one():
     """Regenerate with `python -m hybridserve.cluster.config_reference > docs/configuration.md`."""
     assert (DOCS / "configuration.md").read_text() == config_reference.reference()
+
+
+def test_the_readme_support_table_is_the_generated_one():
+    """Regenerate with `python -m hybridserve.workers.support_table` (between its markers)."""
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(support_table.BEGIN), readme.index(support_table.END)
+    assert readme[start : end + len(support_table.END) + 1] == support_table.table()
+
+
+def test_every_registered_model_type_is_in_exactly_one_family():
+    listed = [t for family in support_table.families() for t in family.model_types]
+    assert sorted(listed) == sorted(ADAPTERS)
 
 
 @pytest.mark.parametrize(("page", "limit"), [("README.md", 300), ("docs/architecture.md", 400)])

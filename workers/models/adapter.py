@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,8 +40,22 @@ class WeightSource:
 Alternatives = list[list[WeightSource]]
 
 
+@dataclass(frozen=True)
+class ModelFamily:
+    """A family of checkpoints an adapter serves: a row of the README's support table
+    (`hybridserve.workers.support_table`). Each variant is a checkpoint form worth telling
+    apart (dense, MoE), as a `model_type` and overrides of transformers' default config for
+    it (with MTP layers where the family ships them); the table parses each with the adapter
+    and asks every forward path whether it serves the result."""
+
+    name: str
+    model_types: tuple[str, ...]
+    variants: tuple[tuple[str, str, dict[str, Any]], ...]
+
+
 class ArchitectureAdapter(Protocol):
     model_types: tuple[str, ...]
+    families: tuple[ModelFamily, ...]
     # Checkpoint tensors we knowingly do not use (e.g. multi-token-prediction heads).
     ignored_keys: re.Pattern[str] | None
 

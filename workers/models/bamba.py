@@ -9,6 +9,7 @@ from __future__ import annotations
 from hybridserve.workers.models.adapter import (
     LAYER_NAME,
     Alternatives,
+    ModelFamily,
     WeightSource,
     attention_spec,
     check_mamba,
@@ -105,6 +106,7 @@ def split_layer_name(name: str) -> tuple[int, bool, str]:
 
 class BambaAdapter:
     model_types = ("bamba",)
+    families = (ModelFamily("Bamba", model_types, (("dense", "bamba", {}),)),)
     ignored_keys = None
 
     def parse_config(self, reader: ConfigReader) -> HybridModelConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hybridserve.workers.models.adapter import (
     Alternatives,
+    ModelFamily,
     attention_spec,
     mamba_key,
     single,
@@ -24,6 +25,16 @@ from hybridserve.workers.models.config import ConfigReader, HybridModelConfig, M
 
 class GraniteMoeHybridAdapter:
     model_types = ("granitemoehybrid",)
+    families = (
+        ModelFamily(
+            "GraniteMoeHybrid (Granite 4.0-H)",
+            model_types,
+            (
+                ("dense", "granitemoehybrid", {"num_local_experts": 0}),
+                ("MoE", "granitemoehybrid", {}),
+            ),
+        ),
+    )
     ignored_keys = None
 
     def parse_config(self, reader: ConfigReader) -> HybridModelConfig:

@@ -16,6 +16,7 @@ from hybridserve.workers.models.adapter import (
     LAYER_NAME,
     MTP_LAYER_NAME,
     Alternatives,
+    ModelFamily,
     WeightSource,
     attention_spec,
     check_mamba,
@@ -96,6 +97,16 @@ def mtp_layer_kinds(reader: ConfigReader) -> list[LayerKind]:
 
 class NemotronHAdapter:
     model_types = ("nemotron_h",)
+    families = (
+        ModelFamily(
+            "NemotronH (Nemotron-H, Nemotron 3 Nano)",
+            model_types,
+            (
+                ("dense", "nemotron_h", {"layers_block_type": ["mamba", "attention", "mlp"]}),
+                ("MoE", "nemotron_h", {"num_nextn_predict_layers": 1}),
+            ),
+        ),
+    )
     # Multi-token-prediction layers: loaded only when speculative decoding uses them.
     ignored_keys = re.compile(r"^(mtp|backbone\.mtp|model\.mtp)\.")
 

@@ -29,6 +29,7 @@ from hybridserve.workers.models.adapter import (
     LAYER_NAME,
     MTP_LAYER_NAME,
     Alternatives,
+    ModelFamily,
     WeightSource,
     attention_spec,
     single,
@@ -56,6 +57,21 @@ def _plus_one(tensor: torch.Tensor) -> torch.Tensor:
 
 class Qwen3NextAdapter:
     model_types = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+    families = (
+        ModelFamily(
+            "Qwen3-Next",
+            ("qwen3_next",),
+            (("MoE", "qwen3_next", {"num_nextn_predict_layers": 1}),),
+        ),
+        ModelFamily(
+            "Qwen3.5 (text or image-text, served as text)",
+            ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"),
+            (
+                ("dense", "qwen3_5_text", {"mtp_num_hidden_layers": 1}),
+                ("MoE", "qwen3_5_moe_text", {"mtp_num_hidden_layers": 1}),
+            ),
+        ),
+    )
     # The vision tower is not part of the text model; the multi-token-prediction layers
     # load only when speculative decoding uses them.
     ignored_keys = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")

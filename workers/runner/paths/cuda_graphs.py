@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from hybridserve.workers.core.step_plan import ScheduledChunk
-from hybridserve.workers.layers.moe import MoE
+from hybridserve.workers.models.config import HybridModelConfig
+from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.paths.base import BatchPath
 
@@ -54,7 +55,14 @@ def graphs_unsupported(model: nn.Module, device: torch.device, tp_size: int) -> 
         return "not on CUDA"
     if tp_size > 1:
         return f"tensor_parallel_size {tp_size} (graphs are captured at 1)"
-    if any(isinstance(module, MoE) for module in model.modules()):
+    if not isinstance(model, HybridForCausalLM):
+        return f"{type(model).__name__} is not a hybrid model"
+    return graphs_model_unsupported(model.config)
+
+
+def graphs_model_unsupported(config: HybridModelConfig) -> str | None:
+    """Why no decode step of this model can be captured, wherever it runs (None: it can)."""
+    if "moe" in (*config.layer_kinds, *config.mtp_layer_kinds):
         return "MoE layers route tokens on the host"
     return None
 

@@ -36,6 +36,7 @@ from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.layers.linear import PackableLinear
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.models.config import HybridModelConfig, LayerKind
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.runner.forward_batch import StateCaches
 from hybridserve.workers.runner.model_runner import RunnerOutput
@@ -124,6 +125,9 @@ class NativePath(ForwardPath):
         reason) where the kernel does not apply."""
         # The C side holds raw addresses of the weights and pools: both are kept, and both are
         # fixed once loaded and allocated.
+        reason = native_unsupported(model.config)
+        if reason is not None:
+            raise Unsupported(reason)
         self.kernel = _decode_step_kernel()
         self._keep: list[torch.Tensor] = []  # tensors made here whose addresses the C side holds
         config = model.config
@@ -298,16 +302,27 @@ class NativePath(ForwardPath):
                     self._pointer(t) for t in (op.rope.cos_cache, op.rope.sin_cache)
                 )
                 layer.rotary_dim = op.rope.rotary_dim
-        elif isinstance(op, MLP):
+        else:
+            assert isinstance(op, MLP), op
             layer.kind = cpu_decode_step.KIND_MLP
             up = op.gate_up_proj if op.gated else op.up_proj
             layer.in_[0] = self._linear(up)
             layer.out = self._linear(op.down_proj)
             layer.gated = op.gated
             layer.activation = cpu_decode_step.ACTIVATIONS[op.activation]
-        else:
-            raise Unsupported(f"{type(op).__name__} layers")
         return layer
+
+
+# The sublayer kinds the C step computes (kernels/cpu/csrc/decode_step.c).
+NATIVE_LAYER_KINDS: frozenset[LayerKind] = frozenset({"mamba2", "gdn", "attention", "mlp"})
+
+
+def native_unsupported(config: HybridModelConfig) -> str | None:
+    """Why the C step cannot compute this model, on any CPU (None: it can)."""
+    kinds = sorted(set(config.layer_kinds) - NATIVE_LAYER_KINDS)
+    if kinds:
+        return f"{', '.join(kinds)} layers"
+    return None
 
 
 def _continues(chunk: ScheduledChunk) -> bool:

@@ -184,7 +184,7 @@ def test_models_with_moe_layers_keep_their_other_paths(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger=model_runner.__name__):
         llm = LLM(str(folder))
     assert llm.engine.executor.driver.path("native") is None
-    assert "forward path native: off (MoE layers)" in caplog.text
+    assert "forward path native: off (moe layers)" in caplog.text
 
 
 def test_it_can_be_turned_off_and_the_reference_backend_turns_it_off(monkeypatch):
