@@ -177,6 +177,17 @@ def _qwen3_5_vl(**overrides: Any) -> Any:
     return Qwen3_5ForConditionalGeneration(config)
 
 
+def _olmo_hybrid(*, rope: bool = False, **overrides: Any) -> Any:
+    """NoPE as the released checkpoints are (rope_theta null), unless `rope`. transformers
+    saves the DeltaNet conv as OLMo-core's q_conv1d, k_conv1d and v_conv1d cut into equal
+    thirds, right only where key_dim == value_dim: so here both are 24 (Dk 12, Dv 6)."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0 if rope else None}
+    shapes = _GDN_SHAPES | {"rope_parameters": rope_parameters, "linear_value_head_dim": 6}
+    return OlmoHybridForCausalLM(OlmoHybridConfig(**(shapes | overrides)))
+
+
 BUILDERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
@@ -185,10 +196,17 @@ BUILDERS = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_vl": _qwen3_5_vl,
+    "olmo_hybrid": _olmo_hybrid,
+    "olmo_hybrid_rope": lambda **overrides: _olmo_hybrid(rope=True, **overrides),
 }
 MAMBA2_ARCHITECTURES = ("nemotron_h", "bamba", "granitemoehybrid")
-GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
+GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid")
 ARCHITECTURES = tuple(BUILDERS)
+# Checkpoint forms checked against transformers (tests/workers/test_parity.py) and at load,
+# but left out of the suites that run every family: the same model in other names (Qwen3.5's
+# image-text checkpoint), or a path those suites cover on another family (OLMo with RoPE).
+FORM_ONLY = ("qwen3_5_vl", "olmo_hybrid_rope")
+FAMILIES = tuple(arch for arch in ARCHITECTURES if arch not in FORM_ONLY)
 
 
 def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:

@@ -76,6 +76,9 @@ class Layer(ctypes.Structure):
         ("q_norm", _float_p),
         ("k_norm", _float_p),
         ("qk_eps", ctypes.c_float),
+        ("qk_norm_all_heads", ctypes.c_int64),
+        ("post_norm", ctypes.c_int64),
+        ("beta_scale", ctypes.c_float),
     ]
 
 

@@ -1,9 +1,10 @@
 """Prefill and decode engines of different tensor-parallel sizes, through HTTP with the
 `openai` client: every rank moves its own shards (shard links between rank actors). Oracle: an
 offline TP 1 engine of the same checkpoint. Topologies: prefill TP 2 -> decode TP 1, TP 1 ->
-TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint, and a Gated DeltaNet MoE
-checkpoint (Qwen3-Next) TP 2 with expert parallelism -> TP 1 and TP 1 -> TP 2; both transfer
-backends among them (every TP pair runs over both in tests/transceiver/test_shards.py)."""
+TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint, a Gated DeltaNet MoE
+checkpoint (Qwen3-Next) TP 2 with expert parallelism -> TP 1 and TP 1 -> TP 2, and each later
+family (OLMo-Hybrid, ...) over both backends; every TP pair runs over both backends in
+tests/transceiver/test_shards.py."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ TOPOLOGIES = {
     "tp2ep-to-tp2ep-nixl": ("moe", EP2, EP2, "nixl"),
     "gdn-tp2ep-to-tp1-tcp": ("gdn", EP2, {}, "tcp"),
     "gdn-tp1-to-tp2-nixl": ("gdn", {}, TP2, "nixl"),
+    "olmo-tp2-to-tp1-nixl": ("olmo", TP2, {}, "nixl"),
+    "olmo-tp1-to-tp1-tcp": ("olmo", {}, {}, "tcp"),
 }
 
 
@@ -44,12 +47,12 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    """Random MoE checkpoints with the `tiny` tokenizer, so text prompts and chat work:
-    NemotronH (4 experts, a shared expert) and Qwen3-Next (Gated DeltaNet, 4 experts, a gated
-    shared expert)."""
+    """Random checkpoints with the `tiny` tokenizer, so text prompts and chat work:
+    NemotronH (4 experts, a shared expert), Qwen3-Next (Gated DeltaNet, 4 experts, a gated
+    shared expert) and OLMo-Hybrid."""
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tokenizer"))
     folders = {}
-    for name, arch in (("moe", "nemotron_h"), ("gdn", "qwen3_next")):
+    for name, arch in (("moe", "nemotron_h"), ("gdn", "qwen3_next"), ("olmo", "olmo_hybrid")):
         folder = tmp_path_factory.mktemp(name)
         make_hf_model(arch, vocab_size=259).save_pretrained(folder)
         for file in ("tokenizer.json", "tokenizer_config.json"):

@@ -30,7 +30,7 @@ import pytest
 
 from hybridserve.workers import LLM, SamplingParams
 from tests.fp8 import write_pair
-from tests.helpers import ARCHITECTURES, assert_pools_at_baseline, make_hf_model, random_prompts
+from tests.helpers import FAMILIES, assert_pools_at_baseline, make_hf_model, random_prompts
 
 NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 12, 4, 12
 GREEDY = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
@@ -71,6 +71,7 @@ TP_CONFIGS = {
     "qwen3_next": "eviction",
     "qwen3_5": "budget-below-interval",
     "qwen3_5_moe": "save-last-only",
+    "olmo_hybrid": "interval-and-save-last",
     "qwen3_next-fp8": "partial-reuse-off",
     "qwen3_5-fp8_kv": "eviction",
     "given": "interval-and-save-last",
@@ -78,7 +79,7 @@ TP_CONFIGS = {
 # Every architecture, one block-FP8 checkpoint (tests/fp8.py's quantizer) and one with an FP8
 # KV cache.
 CONFORMANCE_ARCHITECTURES = (
-    *(arch for arch in ARCHITECTURES if arch != "qwen3_5_vl"),
+    *FAMILIES,
     "qwen3_next-fp8",
     "qwen3_5-fp8_kv",
 )

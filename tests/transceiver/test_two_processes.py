@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
-from tests.helpers import ARCHITECTURES, make_hf_model, random_prompts
+from tests.helpers import FAMILIES, make_hf_model, random_prompts
 
 PEER = Path(__file__).with_name("peer_process.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def spawn(*args: str) -> subprocess.Popen:
 
 
 # The Qwen3.5 image-text checkpoint holds the text model's state: the text one covers it.
-@pytest.fixture(scope="module", params=[a for a in ARCHITECTURES if a != "qwen3_5_vl"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp(request.param)
     make_hf_model(request.param).save_pretrained(folder)

@@ -2,7 +2,8 @@
 
 Gated attention (Qwen3-Next, Qwen3.5) has q_proj give each head its queries followed by as many
 gate logits, (heads, 2 * head_dim) rows; the attention output is multiplied by sigmoid(gate)
-before o_proj. Per-head q/k RMSNorms apply before RoPE.
+before o_proj. q/k RMSNorms apply before RoPE: per head (Qwen), or over all heads' projection
+at once (OLMo; under tensor parallelism its sum of squares is summed over the ranks).
 
 An FP8 KV cache holds k / k_scale and v / v_scale (per-layer scales from the checkpoint's
 kv_cache_scheme, else 1.0); the scales come back exactly without touching the kernels: the
@@ -29,7 +30,7 @@ from hybridserve.workers.layers.linear import (
     RowParallelLinear,
     split_ranges,
 )
-from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.layers.norm import RMSNorm, SplitRMSNorm
 from hybridserve.workers.layers.rope import RotaryEmbedding
 from hybridserve.workers.models.config import AttentionSpec
 from hybridserve.workers.runner.forward_batch import ForwardBatch, KVLayer
@@ -65,10 +66,18 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(
             hidden_size, split_ranges([q_rows], parallel), spec.bias, **common
         )
-        self.q_norm = self.k_norm = None
-        if spec.qk_norm_eps is not None:
-            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, norm_dtype or dtype, device)
-            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, norm_dtype or dtype, device)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        eps = spec.qk_norm_eps
+        if eps is not None and spec.qk_norm_scope == "head":
+            self.q_norm = RMSNorm(spec.head_dim, eps, norm_dtype or dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, eps, norm_dtype or dtype, device)
+        elif eps is not None:
+            q_local = self.num_heads * spec.head_dim
+            kv_replicas = max(1, parallel.tp_size // spec.num_kv_heads)
+            norm = (eps, parallel, norm_dtype or dtype, device)
+            self.q_norm = SplitRMSNorm(q_size, (parallel.tp_rank * q_local, q_local), 1, *norm)
+            self.k_norm = SplitRMSNorm(kv_size, kv_rows, kv_replicas, *norm)
         self.k_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
         self.v_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
         self.o_proj = RowParallelLinear(
@@ -87,7 +96,10 @@ class Attention(nn.Module):
             q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if isinstance(self.q_norm, SplitRMSNorm) and isinstance(self.k_norm, SplitRMSNorm):
+            q = self.q_norm(q.reshape(num_tokens, -1)).view_as(q)
+            k = self.k_norm(k.reshape(num_tokens, -1)).view_as(k)
+        elif self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(batch.positions, q, k)

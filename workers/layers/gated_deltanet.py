@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         heads, value_head_dim = self.num_value_heads, spec.value_head_dim
         qkv, z = self.in_proj(hidden).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(hidden).split([heads, heads], dim=-1)
-        beta = b.sigmoid()
+        beta = b.sigmoid() if spec.beta_scale == 1.0 else b.sigmoid() * spec.beta_scale
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
         conv_weight = self.conv_weight[:, 0, :]
 

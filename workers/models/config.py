@@ -27,7 +27,9 @@ LayerKind = Literal["mamba2", "gdn", "attention", "mlp", "moe"]
 # Layer kinds that keep per-sequence recurrent state (a slot in the state pools).
 RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn")
 Activation = Literal["silu", "relu2", "gelu"]
-Architecture = Literal["nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5"]
+Architecture = Literal[
+    "nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5", "olmo_hybrid"
+]
 
 
 class CheckpointError(ValueError):
@@ -114,6 +116,9 @@ class GatedDeltaNetSpec(_Frozen):
     conv_kernel: int
     norm_eps: float
     chunk_size: int = 64
+    # beta = beta_scale * sigmoid(b): 2 lets the state transition's eigenvalues go negative
+    # (OLMo-Hybrid's `linear_allow_neg_eigval`).
+    beta_scale: float = 1.0
 
     @property
     def key_dim(self) -> int:
@@ -164,8 +169,10 @@ class AttentionSpec(_Frozen):
     # Gated attention (Qwen3-Next, Qwen3.5): q_proj gives each head its queries then as many
     # gate logits; the output is multiplied by sigmoid(gate) before o_proj.
     output_gate: bool = False
-    # RMSNorm over each head's q and k before RoPE, with this epsilon (None: none).
+    # RMSNorm over q and k before RoPE, with this epsilon (None: none): per head ("head",
+    # weights of head_dim) or over all heads' projection at once ("all_heads", OLMo).
     qk_norm_eps: float | None = None
+    qk_norm_scope: Literal["head", "all_heads"] = "head"
 
 
 class MLPSpec(_Frozen):
@@ -213,6 +220,9 @@ class HybridModelConfig(_Frozen):
     # Zero-centred RMSNorms (Qwen3-Next, Qwen3.5): the checkpoint stores w, the norm scales by
     # 1 + w (the residual norms, the final norm and attention's q/k norms).
     zero_centred_norms: bool = False
+    # Sublayers whose norm applies to the op's output, x + norm(op(x)) (OLMo's attention
+    # layers), where the others compute x + op(norm(x)).
+    post_norm_layer_ids: tuple[int, ...] = ()
     mamba2: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
     attention: AttentionSpec | None = None

@@ -46,13 +46,16 @@ class HybridForCausalLM(nn.Module):
         )
         num_recurrent = num_attention = 0
         layers = []
-        for kind in config.layer_kinds:
+        for i, kind in enumerate(config.layer_kinds):
             index = -1
             if kind in RECURRENT_KINDS:
                 index, num_recurrent = num_recurrent, num_recurrent + 1
             elif kind == "attention":
                 index, num_attention = num_attention, num_attention + 1
-            layers.append(Sublayer(config, kind, index, parallel, dtype, device))
+            post_norm = i in config.post_norm_layer_ids
+            layers.append(
+                Sublayer(config, kind, index, parallel, dtype, device, post_norm=post_norm)
+            )
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(
             config.hidden_size, config.norm_eps, norm_weight_dtype(config, dtype), device

@@ -7,6 +7,7 @@ from hybridserve.workers.models.bamba import BambaAdapter
 from hybridserve.workers.models.config import ConfigError
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
+from hybridserve.workers.models.olmo_hybrid import OlmoHybridAdapter
 from hybridserve.workers.models.qwen3_next import Qwen3NextAdapter
 
 ADAPTERS: dict[str, ArchitectureAdapter] = {
@@ -16,6 +17,7 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
         BambaAdapter(),
         GraniteMoeHybridAdapter(),
         Qwen3NextAdapter(),
+        OlmoHybridAdapter(),
     )
     for model_type in adapter.model_types
 }

@@ -1,4 +1,5 @@
 """A residual sublayer of a hybrid model: `norm` then one op (mamba2, gdn, attention, mlp, moe),
+or (post-norm) the op then `norm`,
 with its index in the KV pool or the state pools. The model's stack and the
 multi-token-prediction layers are made of these."""
 
@@ -31,9 +32,14 @@ class Sublayer(nn.Module):
         parallel: ParallelContext,
         dtype: torch.dtype,
         device: torch.device | str | None,
+        *,
+        post_norm: bool = False,
     ) -> None:
+        """`post_norm`: the norm applies to the op's output (x + norm(op(x)), OLMo's attention
+        layers) rather than its input."""
         super().__init__()
         self.kind = kind
+        self.post_norm = post_norm
         # Index of this layer inside the KV pool (attention) or the state pools (recurrent).
         self.cache_index = cache_index
         hidden = config.hidden_size
@@ -67,9 +73,13 @@ class Sublayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
     ) -> torch.Tensor:
-        normed = self.norm(hidden)
+        if self.post_norm:
+            return self.norm(self._op(hidden, batch, caches))
+        return self._op(self.norm(hidden), batch, caches)
+
+    def _op(self, x: torch.Tensor, batch: ForwardBatch, caches: StateCaches) -> torch.Tensor:
         if self.kind in RECURRENT_KINDS:
-            return self.op(normed, batch, caches.recurrent_layer(self.cache_index))
+            return self.op(x, batch, caches.recurrent_layer(self.cache_index))
         if self.kind == "attention":
-            return self.op(normed, batch, caches.kv_layer(self.cache_index))
-        return self.op(normed)
+            return self.op(x, batch, caches.kv_layer(self.cache_index))
+        return self.op(x)

@@ -41,6 +41,12 @@ typedef struct {
     int64_t output_gate;
     const float *q_norm, *k_norm;
     float qk_eps;
+    /* q/k norms over all heads at once (OLMo) rather than per head */
+    int64_t qk_norm_all_heads;
+    /* post-norm: hidden += norm(op(hidden)) rather than op(norm(hidden)) */
+    int64_t post_norm;
+    /* gdn: beta = beta_scale * sigmoid(b) */
+    float beta_scale;
 } Layer;
 
 typedef struct {
@@ -155,6 +161,40 @@ static void project_residual(const Model *m, const Linear *l, const float *x, in
     }
 }
 
+/* The op's input in `normed`: the residual stream normed, or (post-norm) as it is. */
+static void sublayer_input(const Model *m, const Layer *l, int64_t rows) {
+    const int64_t H = m->hidden_size;
+    if (!l->post_norm) {
+        rms_norm(m->hidden, l->norm, H, m->norm_eps, m->normed, rows);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) memcpy(m->normed + r * H, m->hidden + r * H, sizeof(float) * H);
+}
+
+/* The output projection of x (rows mixed_size apart) added to the residual stream; post-norm
+   normalises each whole output row first, so the rows go to `normed` (the op has read its
+   input by now), then are normed and added. */
+static void sublayer_output(const Model *m, const Layer *l, const float *x, int64_t rows) {
+    if (!l->post_norm) {
+        project_residual(m, &l->out, x, rows);
+        return;
+    }
+    const int64_t H = m->hidden_size;
+#pragma omp for schedule(guided, 8)
+    for (int64_t o = 0; o < l->out.rows; o += 4) {
+        const int64_t n = l->out.rows - o < 4 ? l->out.rows - o : 4;
+        rows_of(&l->out, o, n, x, m->mixed_size, m->normed + o, H, rows);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *y = m->normed + r * H;
+        const float inverse = 1.0f / sqrtf(dot(y, y, H) / (float)H + m->norm_eps);
+        for (int64_t i = 0; i < H; ++i)
+            m->hidden[r * H + i] += m->residual_multiplier * (y[i] * inverse * l->norm[i]);
+    }
+}
+
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's */
 
 /* The conv window update of every row's `conv_dim` channels: the inputs start at `from` in
@@ -187,7 +227,7 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
     const int64_t P = l->head_dim, N = l->state_size, rows = step->rows;
     const int64_t inner = l->heads * P, group_state = l->groups * N;
     const int64_t conv_dim = inner + 2 * group_state;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    sublayer_input(m, l, rows);
     project(m, l->in, 1, m->normed, m->projected, rows);
     /* a row of projected: z (inner) | x B C (conv_dim) | dt (heads);
        a row of mixed: x B C convolved (conv_dim) | y (inner) */
@@ -227,14 +267,14 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
                 y[i] = y[i] * inverse * l->gate_norm[g * group_size + i];
         }
     }
-    project_residual(m, &l->out, m->mixed + conv_dim, rows);
+    sublayer_output(m, l, m->mixed + conv_dim, rows);
 }
 
 static void gdn(const Model *m, const Layer *l, const Step *step) {
     const int64_t Hk = l->key_heads, Hv = l->value_heads, Dk = l->key_head_dim;
     const int64_t Dv = l->value_head_dim, rows = step->rows, per_key = Hv / Hk;
     const int64_t key_dim = Hk * Dk, value_dim = Hv * Dv, conv_dim = 2 * key_dim + value_dim;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    sublayer_input(m, l, rows);
     project(m, l->in, 2, m->normed, m->projected, rows); /* in_proj, then in_proj_ba */
     /* a row of projected: q | k | v (conv_dim) | z (value_dim) | b (Hv) | a (Hv);
        a row of mixed: q | k | v convolved (conv_dim) | y (value_dim) */
@@ -250,7 +290,7 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
             gated_delta_normalise(convolved + key * Dk, convolved + key_dim + key * Dk, Dk, qn,
                                   kn);
             const float b = row[conv_dim + value_dim + h], a = row[conv_dim + value_dim + Hv + h];
-            const float beta = 1.0f / (1.0f + expf(-b));
+            const float beta = l->beta_scale * (1.0f / (1.0f + expf(-b)));
             const float g = l->A[h] * softplus(a + l->dt_bias[h]);
             float *state = m->state_pool + step->slots[r] * m->state_slot_stride +
                            l->cache_index * m->state_layer_stride + h * Dk * Dv;
@@ -269,7 +309,7 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
             for (int64_t i = 0; i < Dv; ++i) y[i] = y[i] * inverse * l->gate_norm[i] * silu(z[i]);
         }
     }
-    project_residual(m, &l->out, m->mixed + conv_dim, rows);
+    sublayer_output(m, l, m->mixed + conv_dim, rows);
 }
 
 /* The first rotary_dim dims of a head: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). */
@@ -292,7 +332,7 @@ static void attention(const Model *m, const Layer *l, const Step *step) {
     const int64_t bs = m->block_size, rows = step->rows, group = H / Hkv;
     /* a row of projected: q (H heads) | gate (H heads, gated attention) | k (Hkv) | v (Hkv) */
     const int64_t q_size = H * D * (l->output_gate ? 2 : 1);
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    sublayer_input(m, l, rows);
     project(m, l->in, 3, m->normed, m->projected, rows);
     if (l->output_gate || l->q_norm) {
         /* q_proj gives each head [queries | gate]: queries first, then gates, per row; then
@@ -308,7 +348,10 @@ static void attention(const Model *m, const Layer *l, const Step *step) {
                     memcpy(row + (H + h) * D, heads + (2 * h + 1) * D, sizeof(float) * D);
                 }
             }
-            if (l->q_norm) {
+            if (l->q_norm && l->qk_norm_all_heads) {
+                norm_in_place(row, l->q_norm, H * D, l->qk_eps);
+                norm_in_place(row + q_size, l->k_norm, Hkv * D, l->qk_eps);
+            } else if (l->q_norm) {
                 for (int64_t h = 0; h < H; ++h) norm_in_place(row + h * D, l->q_norm, D, l->qk_eps);
                 for (int64_t g = 0; g < Hkv; ++g)
                     norm_in_place(row + q_size + g * D, l->k_norm, D, l->qk_eps);
@@ -357,13 +400,13 @@ static void attention(const Model *m, const Layer *l, const Step *step) {
             }
         }
     }
-    project_residual(m, &l->out, m->mixed, rows);
+    sublayer_output(m, l, m->mixed, rows);
 }
 
 static void mlp(const Model *m, const Layer *l, const Step *step) {
     const Linear *in = &l->in[0];
     const int64_t size = l->gated ? in->rows / 2 : in->rows, rows = step->rows;
-    rms_norm(m->hidden, l->norm, m->hidden_size, m->norm_eps, m->normed, rows);
+    sublayer_input(m, l, rows);
 #pragma omp for schedule(guided, 8)
     for (int64_t o = 0; o < size; o += 4) {
         const int64_t n = size - o < 4 ? size - o : 4;
@@ -376,7 +419,7 @@ static void mlp(const Model *m, const Layer *l, const Step *step) {
                 y[j] = activate(y[j], l->activation) * (l->gated ? up[4 * r + j] : 1.0f);
         }
     }
-    project_residual(m, &l->out, m->mixed, rows);
+    sublayer_output(m, l, m->mixed, rows);
 }
 
 /* Whether logit v beats `best` (at a lower index) in torch.argmax's order: a NaN beats any

@@ -4,7 +4,8 @@ transformers and against the same engine at TP 1 (the host tier under TP: test_h
 Checkpoints cover the sharding rules: one KV head (replicated over the ranks), Mamba B/C groups
 fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
 Gated DeltaNet key heads equal to the ranks (split) and fewer (replicated), three experts over two
-ranks (expert parallelism, uneven), shared experts (gated ones too), and TP 4.
+ranks (expert parallelism, uneven), shared experts (gated ones too), q/k norms spanning every
+head (OLMo), and TP 4.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     # One GDN key head < 2 ranks: q and k replicated, value heads split.
     "qwen3.5-1-key-head": ("qwen3_5", {"linear_num_key_heads": 1}),
     "qwen3.5-moe": ("qwen3_5_moe", {}),
+    # q/k norms over all heads (their sums of squares summed over the ranks) with one KV
+    # head replicated on both (its sum counted twice, halved back); post-norm attention.
+    "olmo-hybrid-1-kv-head": ("olmo_hybrid", {"num_key_value_heads": 1}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -70,6 +74,7 @@ RUNS = [
     ("qwen3-next", 4, False),
     ("qwen3.5-1-key-head", 2, False),
     ("qwen3.5-moe", 2, True),
+    ("olmo-hybrid-1-kv-head", 2, False),
 ]
 
 

@@ -374,7 +374,7 @@ def test_unsupported_model_type_lists_the_supported_ones(model_type):
     assert error.field == "model_type"
     assert str(error) == (
         f"ckpt/config.json: field 'model_type': unsupported model type {model_type!r} "
-        "(supported: bamba, granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, "
+        "(supported: bamba, granitemoehybrid, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
         "qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
     )
 
@@ -454,4 +454,54 @@ def test_an_image_text_checkpoint_is_read_through_its_text_config():
 )  # fmt: skip
 def test_a_bad_qwen_config_is_refused_naming_the_field(changes, field, message):
     error = config_error(qwen(**changes))
+    assert error.field == field and message in str(error)
+
+
+# ---- OLMo-Hybrid ---------------------------------------------------------------------------
+
+
+def olmo(**changes: Any) -> dict[str, Any]:
+    layers = ["linear_attention", "full_attention", "linear_attention"]
+    return qwen("olmo_hybrid", num_hidden_layers=3, layer_types=layers) | changes
+
+
+def test_an_olmo_hybrid_config_parses_to_post_norm_attention_and_a_doubled_beta():
+    config = parse(olmo(rope_parameters={"rope_type": "default", "rope_theta": None}))
+    assert config.layer_kinds == ("gdn", "mlp", "attention", "mlp", "gdn", "mlp")
+    assert config.post_norm_layer_ids == (2, 3)  # the attention layer's two sublayers
+    attention = config.attention
+    assert attention is not None and attention.rope is None and not attention.output_gate
+    assert (attention.qk_norm_eps, attention.qk_norm_scope) == (1e-6, "all_heads")
+    assert config.gdn is not None and (config.gdn.beta_scale, config.gdn.norm_eps) == (2.0, 1e-5)
+    assert not config.zero_centred_norms
+
+
+@pytest.mark.parametrize(
+    ("changes", "rotary_dim", "beta_scale"),
+    [
+        ({}, 16, 2.0),  # no rope_parameters: transformers' default RoPE, over the whole head
+        ({"rope_parameters": {"rope_theta": 5e5}, "linear_allow_neg_eigval": False}, 16, 1.0),
+    ],
+)
+def test_olmo_hybrid_rope_and_beta_follow_the_config(changes, rotary_dim, beta_scale):
+    config = parse(olmo(**changes))
+    assert config.attention is not None and config.attention.rope is not None
+    assert config.attention.rope.rotary_dim == rotary_dim
+    assert config.gdn is not None and config.gdn.beta_scale == beta_scale
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"linear_num_value_heads": 5}, "linear_num_value_heads",
+         "5 is not a multiple of linear_num_key_heads=2"),
+        ({"hidden_act": "gelu"}, "hidden_act", "must be silu (the MLP and the DeltaNet conv)"),
+        ({"num_hidden_layers": 4}, "layer_types", "lists 3 layers but num_hidden_layers is 4"),
+        ({"layer_types": None}, "layer_types", "expected a non-empty list of layer types"),
+        ({"linear_allow_neg_eigval": "yes"}, "linear_allow_neg_eigval",
+         "expected true or false"),
+    ],
+)  # fmt: skip
+def test_a_bad_olmo_hybrid_config_is_refused_naming_the_field(changes, field, message):
+    error = config_error(olmo(**changes))
     assert error.field == field and message in str(error)

@@ -19,7 +19,7 @@ from hybridserve.workers.core.request import Request
 from hybridserve.workers.core.sampling_params import StructuredOutput
 from hybridserve.workers.speculative.proposer import Proposer
 from tests.helpers import (
-    ARCHITECTURES,
+    FAMILIES,
     PERSON_SCHEMA,
     assert_pools_at_baseline,
     make_hf_model,
@@ -36,7 +36,6 @@ EAGER_NGRAM = {
 }
 ENGINE = {"max_model_len": 160, "block_size": 8, "max_num_seqs": 4, "enable_prefix_caching": False}
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-FAMILIES = [arch for arch in ARCHITECTURES if arch != "qwen3_5_vl"]  # the same text model
 
 
 class OracleProposer(Proposer):

@@ -10,7 +10,8 @@ and the pools' addresses and strides; a step passes each row's token, context le
 table and state slot.
 
 It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2, Gated
-DeltaNet, attention (with or without RoPE, gated or not) and dense MLPs; `unsupported` and
+DeltaNet, attention (with or without RoPE, gated or not, q/k norms per head or over all heads)
+and dense MLPs, each pre-norm or post-norm (OLMo); `unsupported` and
 `prepare` say why not otherwise (MoE layers, say). The tests compare it with the model's eager
 step on the same states (tests/workers/runner/paths/test_native.py), and every
 engine test that decodes up to eight requests at a time runs it against transformers.
@@ -36,6 +37,7 @@ from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.workers.layers.linear import PackableLinear
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
+from hybridserve.workers.layers.norm import SplitRMSNorm
 from hybridserve.workers.models.config import HybridModelConfig, LayerKind
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.runner.forward_batch import StateCaches
@@ -255,7 +257,11 @@ class NativePath(ForwardPath):
 
     def _layer(self, sublayer: nn.Module) -> Layer:
         op = sublayer.op
-        layer = Layer(cache_index=sublayer.cache_index, norm=self._pointer(sublayer.norm.weight))
+        layer = Layer(
+            cache_index=sublayer.cache_index,
+            norm=self._pointer(sublayer.norm.weight),
+            post_norm=sublayer.post_norm,
+        )
         if isinstance(op, MambaMixer):
             spec = op.spec
             A = -torch.exp(op.A_log.float())  # as the model's step computes it
@@ -283,7 +289,7 @@ class NativePath(ForwardPath):
             layer.gate_norm, layer.gate_eps = self._pointer(op.norm_weight), spec.norm_eps
             layer.key_heads, layer.value_heads = op.num_key_heads, op.num_value_heads
             layer.key_head_dim, layer.value_head_dim = spec.key_head_dim, spec.value_head_dim
-            layer.conv_kernel = spec.conv_kernel
+            layer.conv_kernel, layer.beta_scale = spec.conv_kernel, spec.beta_scale
         elif isinstance(op, Attention):
             layer.kind = cpu_decode_step.KIND_ATTENTION
             layer.output_gate = op.output_gate
@@ -292,6 +298,7 @@ class NativePath(ForwardPath):
                     self._pointer(n.weight) for n in (op.q_norm, op.k_norm)
                 )
                 layer.qk_eps = op.q_norm.eps
+                layer.qk_norm_all_heads = isinstance(op.q_norm, SplitRMSNorm)
             for i, proj in enumerate((op.q_proj, op.k_proj, op.v_proj)):
                 layer.in_[i] = self._linear(proj)
             layer.out = self._linear(op.o_proj)

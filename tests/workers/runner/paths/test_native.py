@@ -85,6 +85,9 @@ SHAPES = {
     # Gated DeltaNet (head dims 12 and 10, two value heads a key head), gated attention with
     # zero-centred q/k norms and partial RoPE, zero-centred residual norms
     "qwen3_5": ("qwen3_5", {}),
+    # OLMo: post-norm attention and MLP sublayers, q/k norms over all heads, beta doubled,
+    # attention without RoPE
+    "olmo_hybrid": ("olmo_hybrid", {}),
     # one key head for four value heads, one KV head, an MLP of 94 rows
     "qwen3_5_one_key_head": (
         "qwen3_5",
