@@ -188,6 +188,45 @@ def _olmo_hybrid(*, rope: bool = False, **overrides: Any) -> Any:
     return OlmoHybridForCausalLM(OlmoHybridConfig(**(shapes | overrides)))
 
 
+# LFM2 at odd shapes: short convs of 3 taps between attention layers, an FFN of
+# 2/3 * 90 = 60 rounded up to 64 (block_multiple_of 16).
+_LFM2_SHAPES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "layer_types": ["conv", "full_attention", "conv", "conv", "full_attention", "conv"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 90,
+    "block_multiple_of": 16,
+}
+
+
+def _lfm2(**overrides: Any) -> Any:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return Lfm2ForCausalLM(Lfm2Config(**(_LFM2_SHAPES | overrides)))
+
+
+def _lfm2_moe(**overrides: Any) -> Any:
+    """One dense FFN, then 4 experts (top 2) chosen with a random expert bias; conv biases."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    shapes = {k: v for k, v in _LFM2_SHAPES.items() if k != "block_multiple_of"} | {
+        "num_dense_layers": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "conv_bias": True,
+    }
+    model = Lfm2MoeForCausalLM(Lfm2MoeConfig(**(shapes | overrides)))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    return model
+
+
 BUILDERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
@@ -198,6 +237,8 @@ BUILDERS = {
     "qwen3_5_vl": _qwen3_5_vl,
     "olmo_hybrid": _olmo_hybrid,
     "olmo_hybrid_rope": lambda **overrides: _olmo_hybrid(rope=True, **overrides),
+    "lfm2": _lfm2,
+    "lfm2_moe": _lfm2_moe,
 }
 MAMBA2_ARCHITECTURES = ("nemotron_h", "bamba", "granitemoehybrid")
 GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid")

@@ -38,7 +38,7 @@ import os
 from hybridserve.kernels.cpu import library
 from hybridserve.kernels.dispatch import BACKEND_ENV
 
-KIND_MAMBA, KIND_ATTENTION, KIND_MLP, KIND_GDN = 0, 1, 2, 3
+KIND_MAMBA, KIND_ATTENTION, KIND_MLP, KIND_GDN, KIND_SHORT_CONV = 0, 1, 2, 3, 4
 ACTIVATIONS = {None: 0, "silu": 1, "relu2": 2, "gelu": 3}
 
 _float_p = ctypes.POINTER(ctypes.c_float)

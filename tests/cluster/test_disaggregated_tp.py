@@ -3,7 +3,7 @@
 offline TP 1 engine of the same checkpoint. Topologies: prefill TP 2 -> decode TP 1, TP 1 ->
 TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint, a Gated DeltaNet MoE
 checkpoint (Qwen3-Next) TP 2 with expert parallelism -> TP 1 and TP 1 -> TP 2, and each later
-family (OLMo-Hybrid, ...) over both backends; every TP pair runs over both backends in
+family (OLMo-Hybrid, LFM2, LFM2-MoE) over both backends; every TP pair runs over both backends in
 tests/transceiver/test_shards.py."""
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ TOPOLOGIES = {
     "gdn-tp1-to-tp2-nixl": ("gdn", {}, TP2, "nixl"),
     "olmo-tp2-to-tp1-nixl": ("olmo", TP2, {}, "nixl"),
     "olmo-tp1-to-tp1-tcp": ("olmo", {}, {}, "tcp"),
+    "lfm2-tp1-to-tp2-nixl": ("lfm2", {}, TP2, "nixl"),
+    "lfm2moe-tp2ep-to-tp1-tcp": ("lfm2moe", EP2, {}, "tcp"),
 }
 
 
@@ -49,10 +51,17 @@ class Deployment:
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """Random checkpoints with the `tiny` tokenizer, so text prompts and chat work:
     NemotronH (4 experts, a shared expert), Qwen3-Next (Gated DeltaNet, 4 experts, a gated
-    shared expert) and OLMo-Hybrid."""
+    shared expert), OLMo-Hybrid, LFM2 and LFM2-MoE."""
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tokenizer"))
     folders = {}
-    for name, arch in (("moe", "nemotron_h"), ("gdn", "qwen3_next"), ("olmo", "olmo_hybrid")):
+    families = {
+        "moe": "nemotron_h",
+        "gdn": "qwen3_next",
+        "olmo": "olmo_hybrid",
+        "lfm2": "lfm2",
+        "lfm2moe": "lfm2_moe",
+    }
+    for name, arch in families.items():
         folder = tmp_path_factory.mktemp(name)
         make_hf_model(arch, vocab_size=259).save_pretrained(folder)
         for file in ("tokenizer.json", "tokenizer_config.json"):

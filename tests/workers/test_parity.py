@@ -8,6 +8,7 @@ import torch
 from hybridserve.workers import LLM, SamplingParams
 from tests.helpers import (
     ARCHITECTURES,
+    FAMILIES,
     assert_pools_at_baseline,
     engine_logprobs,
     hf_greedy,
@@ -70,6 +71,8 @@ def test_chunked_prefill_and_block_sizes_match_transformers(
     assert_pools_at_baseline(llm.engine)
 
 
+# Checkpoint forms of a family (FORM_ONLY) differ in loading, not in the graph compiled.
+@pytest.mark.parametrize("reference", FAMILIES, indirect=True)
 def test_compiled_decode_matches_transformers(reference, caplog):
     """Decode steps through torch.compile: the graph for one row and the dynamic one (eight
     rows, then rows finishing at different lengths), block tables from 1 to 21 blocks, all

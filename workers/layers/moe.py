@@ -33,7 +33,11 @@ class Router(nn.Module):
             self.weight = new_param(
                 spec.num_experts, hidden_size, dtype=torch.float32, device=device
             )
-            self.score_bias = new_param(spec.num_experts, dtype=torch.float32, device=device)
+            self.score_bias = (
+                new_param(spec.num_experts, dtype=torch.float32, device=device)
+                if spec.score_bias
+                else None
+            )
         else:
             self.weight = new_param(spec.num_experts, hidden_size, dtype=dtype, device=device)
 
@@ -49,7 +53,7 @@ class Router(nn.Module):
             return expert_ids, torch.softmax(top_logits, dim=-1).to(hidden.dtype).float()
 
         scores = F.linear(hidden.float(), self.weight).sigmoid()
-        choice = scores + self.score_bias
+        choice = scores if self.score_bias is None else scores + self.score_bias
         # Keep only the best `topk_groups` expert groups (a group scores by its top two experts).
         grouped = choice.view(
             -1, spec.num_expert_groups, spec.num_experts // spec.num_expert_groups
@@ -61,7 +65,7 @@ class Router(nn.Module):
         expert_ids = choice.topk(spec.top_k, dim=-1).indices
         weights = scores.gather(1, expert_ids)
         if spec.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.topk_norm_eps)
         return expert_ids, weights * spec.routed_scaling_factor
 
 

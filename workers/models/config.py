@@ -1,8 +1,8 @@
 """The one internal description of a hybrid model, whatever checkpoint format it came from.
 
-Every supported architecture (NemotronH, Bamba, GraniteMoeHybrid, Qwen3-Next, Qwen3.5) is
-normalised into a `HybridModelConfig`: a flat list of residual sublayers, each
-`norm -> op -> residual add`, where `op` is one of five kinds. A Bamba decoder layer
+Every supported architecture (the README's support table lists them) is normalised into a
+`HybridModelConfig`: a flat list of residual sublayers, each `norm -> op -> residual add` (or
+`op -> norm -> residual add`), where `op` is one of six kinds. A Bamba decoder layer
 "mamba + MLP" becomes two sublayers; a NemotronH layer is already one. The model code
 (`workers/models/hybrid.py`) only ever reads this type; everything that holds or moves recurrent
 state reads the kind's state description (`recurrent_state.py`).
@@ -23,12 +23,12 @@ from hybridserve.workers.models.recurrent_state import (
     StateTensor,
 )
 
-LayerKind = Literal["mamba2", "gdn", "attention", "mlp", "moe"]
+LayerKind = Literal["mamba2", "gdn", "short_conv", "attention", "mlp", "moe"]
 # Layer kinds that keep per-sequence recurrent state (a slot in the state pools).
-RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn")
+RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn", "short_conv")
 Activation = Literal["silu", "relu2", "gelu"]
 Architecture = Literal[
-    "nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5", "olmo_hybrid"
+    "nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5", "olmo_hybrid", "lfm2"
 ]
 
 
@@ -154,6 +154,22 @@ class GatedDeltaNetSpec(_Frozen):
         )
 
 
+class ShortConvSpec(_Frozen):
+    """A gated short convolution (LFM2): in_proj gives B | C | x over `channels` (the hidden
+    size), y = C * conv(B * x), a depthwise causal conv without activation, then out_proj.
+    Its state is the conv window alone."""
+
+    channels: int
+    conv_kernel: int
+    bias: bool
+
+    def state(self) -> RecurrentStateSpec:
+        channels = StateSection(self.channels, self.channels)  # every channel on its own
+        return RecurrentStateSpec(
+            "short_conv", (StateTensor("conv", "conv", (channels,), (self.conv_kernel - 1,)),)
+        )
+
+
 class RopeSpec(_Frozen):
     theta: float
     rotary_dim: int
@@ -198,6 +214,10 @@ class MoESpec(_Frozen):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     latent_size: int | None = None
+    # sigmoid_grouped: whether a learned per-expert bias is added to the scores that choose
+    # the experts, and the epsilon of the chosen weights' renormalisation.
+    score_bias: bool = True
+    topk_norm_eps: float = 1e-20
     shared: MLPSpec | None = None
     # The shared expert's output is scaled by sigmoid(a learned per-token logit).
     shared_gate: bool = False
@@ -225,6 +245,7 @@ class HybridModelConfig(_Frozen):
     post_norm_layer_ids: tuple[int, ...] = ()
     mamba2: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
+    short_conv: ShortConvSpec | None = None
     attention: AttentionSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None

@@ -8,6 +8,7 @@ the TP shard mapping read only this description, never the layer's own spec:
                     ssm        (heads,            head_dim, state_size)  split by heads
     Gated DeltaNet  conv       (q | k | v rows,  conv_kernel - 1)       split by key / value heads
                     recurrent  (value heads,      key_dim, value_dim)    split by value heads
+    short conv      conv       (channels,         conv_kernel - 1)       split by channels
 
 Tensor parallelism splits axis 0 of every tensor, section by section. A section is `size` rows
 made of `units` indivisible units (heads, groups): with at least as many units as ranks each rank

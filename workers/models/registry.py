@@ -6,6 +6,7 @@ from hybridserve.workers.models.adapter import ArchitectureAdapter
 from hybridserve.workers.models.bamba import BambaAdapter
 from hybridserve.workers.models.config import ConfigError
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
+from hybridserve.workers.models.lfm2 import Lfm2Adapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
 from hybridserve.workers.models.olmo_hybrid import OlmoHybridAdapter
 from hybridserve.workers.models.qwen3_next import Qwen3NextAdapter
@@ -18,6 +19,7 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
         GraniteMoeHybridAdapter(),
         Qwen3NextAdapter(),
         OlmoHybridAdapter(),
+        Lfm2Adapter(),
     )
     for model_type in adapter.model_types
 }

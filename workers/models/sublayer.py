@@ -1,7 +1,6 @@
-"""A residual sublayer of a hybrid model: `norm` then one op (mamba2, gdn, attention, mlp, moe),
-or (post-norm) the op then `norm`,
-with its index in the KV pool or the state pools. The model's stack and the
-multi-token-prediction layers are made of these."""
+"""A residual sublayer of a hybrid model: `norm` then one op (mamba2, gdn, short_conv, attention,
+mlp, moe), or (post-norm) the op then `norm`, with its index in the KV pool or the state pools.
+The model's stack and the multi-token-prediction layers are made of these."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.layers.short_conv import ShortConv
 from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig, LayerKind
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 
@@ -52,6 +52,9 @@ class Sublayer(nn.Module):
         elif kind == "gdn":
             assert config.gdn is not None
             self.op = GatedDeltaNet(config.gdn, hidden, parallel, dtype, device)
+        elif kind == "short_conv":
+            assert config.short_conv is not None
+            self.op = ShortConv(config.short_conv, hidden, parallel, dtype, device)
         elif kind == "attention":
             assert config.attention is not None
             self.op = Attention(

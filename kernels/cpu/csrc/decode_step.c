@@ -6,7 +6,7 @@
 
 #include <omp.h>
 
-enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2, KIND_GDN = 3 };
+enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2, KIND_GDN = 3, KIND_SHORT_CONV = 4 };
 enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
 
 typedef struct {
@@ -22,9 +22,10 @@ typedef struct {
     int64_t kind, cache_index;
     const float *norm;
     Linear in[3]; /* mamba: in_proj; gdn: in_proj, in_proj_ba; attention: q, k, v; mlp: up or
-                     [gate | up] */
+                     [gate | up]; short conv: in_proj */
     Linear out;   /* out_proj, o_proj or down_proj */
-    /* mamba (and gdn: conv_weight, dt_bias, A, gate_norm, conv_kernel, gate_eps) */
+    /* mamba (and gdn: conv_weight, dt_bias, A, gate_norm, conv_kernel, gate_eps; short conv:
+       conv_weight, conv_bias, conv_kernel) */
     const float *conv_weight, *conv_bias, *dt_bias, *A, *D, *gate_norm;
     int64_t heads, head_dim, groups, state_size, conv_kernel, conv_silu;
     float gate_eps, dt_min, dt_max;
@@ -270,6 +271,28 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
     sublayer_output(m, l, m->mixed + conv_dim, rows);
 }
 
+/* The gated short convolution (LFM2): y = C * conv(B * x), the window over B * x. */
+static void short_conv(const Model *m, const Layer *l, const Step *step) {
+    const int64_t channels = l->in[0].rows / 3, rows = step->rows;
+    sublayer_input(m, l, rows);
+    project(m, l->in, 1, m->normed, m->projected, rows);
+    /* a row of projected: B | C | x, each `channels`; B * x goes where B was, the conv's input;
+       a row of mixed: the convolved values, then C times them */
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = m->projected + r * m->projected_size;
+        for (int64_t c = 0; c < channels; ++c) row[c] *= row[2 * channels + c];
+    }
+    conv_update(m, l, step, 0, channels);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *C = m->projected + r * m->projected_size + channels;
+        float *y = m->mixed + r * m->mixed_size;
+        for (int64_t c = 0; c < channels; ++c) y[c] *= C[c];
+    }
+    sublayer_output(m, l, m->mixed, rows);
+}
+
 static void gdn(const Model *m, const Layer *l, const Step *step) {
     const int64_t Hk = l->key_heads, Hv = l->value_heads, Dk = l->key_head_dim;
     const int64_t Dv = l->value_head_dim, rows = step->rows, per_key = Hv / Hk;
@@ -449,6 +472,8 @@ void decode_rows(const Model *m, const Step *step, const int64_t *tokens, float 
                 mamba(m, l, step);
             else if (l->kind == KIND_GDN)
                 gdn(m, l, step);
+            else if (l->kind == KIND_SHORT_CONV)
+                short_conv(m, l, step);
             else if (l->kind == KIND_ATTENTION)
                 attention(m, l, step);
             else

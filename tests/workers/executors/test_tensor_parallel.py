@@ -5,7 +5,7 @@ Checkpoints cover the sharding rules: one KV head (replicated over the ranks), M
 fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
 Gated DeltaNet key heads equal to the ranks (split) and fewer (replicated), three experts over two
 ranks (expert parallelism, uneven), shared experts (gated ones too), q/k norms spanning every
-head (OLMo), and TP 4.
+head (OLMo), short-convolution channels (LFM2), and TP 4.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     # q/k norms over all heads (their sums of squares summed over the ranks) with one KV
     # head replicated on both (its sum counted twice, halved back); post-norm attention.
     "olmo-hybrid-1-kv-head": ("olmo_hybrid", {"num_key_value_heads": 1}),
+    # Short-conv channels split; 3 experts over 2 ranks, chosen with an expert bias.
+    "lfm2-moe-3-experts": ("lfm2_moe", {"num_experts": 3}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -75,6 +77,8 @@ RUNS = [
     ("qwen3.5-1-key-head", 2, False),
     ("qwen3.5-moe", 2, True),
     ("olmo-hybrid-1-kv-head", 2, False),
+    ("lfm2-moe-3-experts", 2, False),
+    ("lfm2-moe-3-experts", 2, True),
 ]
 
 

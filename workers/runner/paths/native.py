@@ -10,8 +10,8 @@ and the pools' addresses and strides; a step passes each row's token, context le
 table and state slot.
 
 It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2, Gated
-DeltaNet, attention (with or without RoPE, gated or not, q/k norms per head or over all heads)
-and dense MLPs, each pre-norm or post-norm (OLMo); `unsupported` and
+DeltaNet, short convolutions (LFM2), attention (with or without RoPE, gated or not, q/k norms
+per head or over all heads) and dense MLPs, each pre-norm or post-norm (OLMo); `unsupported` and
 `prepare` say why not otherwise (MoE layers, say). The tests compare it with the model's eager
 step on the same states (tests/workers/runner/paths/test_native.py), and every
 engine test that decodes up to eight requests at a time runs it against transformers.
@@ -38,6 +38,7 @@ from hybridserve.workers.layers.linear import PackableLinear
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.norm import SplitRMSNorm
+from hybridserve.workers.layers.short_conv import ShortConv
 from hybridserve.workers.models.config import HybridModelConfig, LayerKind
 from hybridserve.workers.models.hybrid import HybridForCausalLM
 from hybridserve.workers.runner.forward_batch import StateCaches
@@ -290,6 +291,14 @@ class NativePath(ForwardPath):
             layer.key_heads, layer.value_heads = op.num_key_heads, op.num_value_heads
             layer.key_head_dim, layer.value_head_dim = spec.key_head_dim, spec.value_head_dim
             layer.conv_kernel, layer.beta_scale = spec.conv_kernel, spec.beta_scale
+        elif isinstance(op, ShortConv):
+            layer.kind = cpu_decode_step.KIND_SHORT_CONV
+            layer.in_[0], layer.out = self._linear(op.in_proj), self._linear(op.out_proj)
+            layer.conv_weight, layer.conv_bias = (
+                self._pointer(op.conv_weight),
+                self._pointer(op.conv_bias),
+            )
+            layer.conv_kernel, layer.conv_silu = op.spec.conv_kernel, False
         elif isinstance(op, Attention):
             layer.kind = cpu_decode_step.KIND_ATTENTION
             layer.output_gate = op.output_gate
@@ -321,7 +330,9 @@ class NativePath(ForwardPath):
 
 
 # The sublayer kinds the C step computes (kernels/cpu/csrc/decode_step.c).
-NATIVE_LAYER_KINDS: frozenset[LayerKind] = frozenset({"mamba2", "gdn", "attention", "mlp"})
+NATIVE_LAYER_KINDS: frozenset[LayerKind] = frozenset(
+    {"mamba2", "gdn", "short_conv", "attention", "mlp"}
+)
 
 
 def native_unsupported(config: HybridModelConfig) -> str | None:
@@ -351,6 +362,8 @@ def _mixed_size(op: nn.Module) -> int:
         return 2 * op.intermediate + 2 * op.group_state  # x B C convolved | y
     if isinstance(op, GatedDeltaNet):
         return op.conv_dim + op.value_dim  # q k v convolved | y
+    if isinstance(op, ShortConv):
+        return op.channels  # convolved, then gated
     if isinstance(op, Attention):
         return op.num_heads * op.head_dim
     if isinstance(op, MLP):

@@ -88,6 +88,8 @@ SHAPES = {
     # OLMo: post-norm attention and MLP sublayers, q/k norms over all heads, beta doubled,
     # attention without RoPE
     "olmo_hybrid": ("olmo_hybrid", {}),
+    # LFM2: gated short convolutions (conv, in_proj and out_proj biases), per-head q/k norms
+    "lfm2": ("lfm2", {"conv_bias": True}),
     # one key head for four value heads, one KV head, an MLP of 94 rows
     "qwen3_5_one_key_head": (
         "qwen3_5",
