@@ -8,6 +8,7 @@ A format is a pair of markers around one call block and the reading of what is i
     qwen3_coder   <tool_call><function=NAME><parameter=P>value</parameter>   Qwen3.5, Qwen3-Coder
                   </function></tool_call>
     nemotron_json <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>   Nemotron-H
+    lfm2          <|tool_call_start|>[name(key="value", n=1), ...]<|tool_call_end|>   LFM2
 
 `ToolCallExtractor` reads a choice's text as it streams: text outside the blocks is content,
 each block becomes its calls when its end marker arrives (or when the output ends), and a
@@ -19,6 +20,7 @@ calls.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -161,8 +163,76 @@ def _typed(text: str) -> Any:
     return text if value is None and text.strip() != "null" else value
 
 
+class Lfm2Format(ToolCallFormat):
+    """LFM2's Python-call list: keyword arguments only, each a literal (Python's, or JSON's
+    true / false / null, which templates that render with `tojson` write)."""
+
+    name = "lfm2"
+    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
+
+    @classmethod
+    def writes(cls, template: str) -> bool:
+        return cls.start in template
+
+    def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(block.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for node in tree.elts:
+            name = _dotted(node.func) if isinstance(node, ast.Call) else None
+            if name is None or node.args:  # type: ignore[union-attr]
+                return None
+            arguments = {}
+            for keyword in node.keywords:  # type: ignore[union-attr]
+                if keyword.arg is None:
+                    return None
+                value = _literal(keyword.value)
+                if value is _NOT_LITERAL:
+                    return None
+                arguments[keyword.arg] = value
+            calls.append(ToolCall.of(name, arguments))
+        return calls
+
+
+_NOT_LITERAL = object()
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """A function's name as written, dots included (`get_weather`, `tools.search`)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _dotted(node.value)
+        return None if owner is None else f"{owner}.{node.attr}"
+    return None
+
+
+def _literal(node: ast.expr) -> Any:
+    """The value a literal expression spells, JSON's names included; _NOT_LITERAL otherwise."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        items = [_literal(item) for item in node.elts]
+        return _NOT_LITERAL if _NOT_LITERAL in items else items
+    if isinstance(node, ast.Dict):
+        keys = [_literal(k) if k is not None else _NOT_LITERAL for k in node.keys]
+        values = [_literal(v) for v in node.values]
+        if not all(isinstance(k, (str, int, float)) for k in keys) or _NOT_LITERAL in values:
+            return _NOT_LITERAL
+        return dict(zip(keys, values, strict=True))
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return _NOT_LITERAL
+
+
 FORMATS: dict[str, type[ToolCallFormat]] = {
-    f.name: f for f in (HermesFormat, Qwen3CoderFormat, NemotronJsonFormat)
+    f.name: f for f in (HermesFormat, Qwen3CoderFormat, NemotronJsonFormat, Lfm2Format)
 }
 
 

@@ -138,11 +138,39 @@ NEMOTRON_H = """\
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>
 {% endif %}{% endif %}"""
 
+# LFM2: tools as a JSON list between list markers in the system turn, calls as one Python
+# list between call markers, tool answers between response markers.
+LFM2 = """\
+<|startoftext|>
+{%- if tools or messages[0].role == 'system' %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+{%- if tools %}
+List of tools: <|tool_list_start|>[{% for tool in tools %}{{ tool | tojson }}\
+{% if not loop.last %}, {% endif %}{% endfor %}]<|tool_list_end|>{% endif %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% continue %}{% endif %}
+{%- if message.role == 'tool' %}<|im_start|>tool
+<|tool_response_start|>{{ message.content }}<|tool_response_end|><|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{%- if message.tool_calls %}<|tool_call_start|>[
+{%- for call in message.tool_calls %}{{ call.function.name }}(
+{%- for name, value in call.function.arguments | items %}{{ name }}={{ value | tojson }}\
+{% if not loop.last %}, {% endif %}{% endfor %}){% if not loop.last %}, {% endif %}\
+{% endfor %}]<|tool_call_end|>{% endif %}{{ message.content or '' }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 FAMILIES = {
     "qwen3_5": QWEN3_5,
     "qwen3_next": QWEN3_NEXT,
     "granite_4": GRANITE_4,
     "nemotron_h": NEMOTRON_H,
+    "lfm2": LFM2,
 }
 # The tool-call format and whether a reasoning parser is read from each template.
 EXPECTED_PARSERS = {
@@ -150,6 +178,7 @@ EXPECTED_PARSERS = {
     "qwen3_next": ("hermes", False),
     "granite_4": ("hermes", False),
     "nemotron_h": ("nemotron_json", True),
+    "lfm2": ("lfm2", False),
 }
 
 
@@ -166,5 +195,10 @@ def written(format_name: str, calls: list[tuple[str, dict]]) -> str:
             params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
             blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>\n")
         return "".join(blocks)
+    if format_name == "lfm2":
+        python = ", ".join(
+            f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls
+        )
+        return f"<|tool_call_start|>[{python}]<|tool_call_end|>"
     entries = [{"name": n, "arguments": a} for n, a in calls]
     return f"<TOOLCALL>{json.dumps(entries)}</TOOLCALL>"

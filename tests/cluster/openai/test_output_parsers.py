@@ -159,12 +159,40 @@ def test_forced_calls_read_the_constrained_json():
     assert cut == MessageDelta(content='{"a": ')
 
 
+def test_lfm2_calls_read_python_and_json_literals_and_dotted_names():
+    text = (
+        '<|tool_call_start|>[get_weather(city="Paris", days=3, '
+        'opts={"units": "C", "x": [1, None]}), '
+        "tools.search(q='a\\'b', exact=True, page=null)]<|tool_call_end|>"
+    )
+    first, second = run(tool_parser("lfm2"), text, "chars").tool_calls
+    assert (first.name, json.loads(first.arguments)) == (
+        "get_weather",
+        {"city": "Paris", "days": 3, "opts": {"units": "C", "x": [1, None]}},
+    )
+    assert (second.name, json.loads(second.arguments)) == (
+        "tools.search",
+        {"q": "a'b", "exact": True, "page": None},
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["get_time()", "[get_time(1)]", "[get_time(x=y)]", "[f(**kw)]", "[f(x={[1]: 2})]", "[f("],
+)
+def test_lfm2_blocks_that_are_not_keyword_literal_calls_stay_content(body):
+    text = f"<|tool_call_start|>{body}<|tool_call_end|>"
+    message = run(tool_parser("lfm2"), text, "whole")
+    assert message.content == text and not message.tool_calls
+
+
 @pytest.mark.parametrize(
     ("template", "expected"),
     [
         ('{{ "<tool_call>\\n" + call | tojson }}', "hermes"),
         ("{{ '<tool_call>\\n<function=' + name + '>' }}", "qwen3_coder"),
         ("<TOOLCALL>{{ calls | tojson }}</TOOLCALL>", "nemotron_json"),
+        ("<|tool_call_start|>[{{ call }}]<|tool_call_end|>", "lfm2"),
         ("{{ messages }}", None),
     ],
 )
