@@ -9,6 +9,8 @@ A format is a pair of markers around one call block and the reading of what is i
                   </function></tool_call>
     nemotron_json <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>   Nemotron-H
     lfm2          <|tool_call_start|>[name(key="value", n=1), ...]<|tool_call_end|>   LFM2
+    olmo3         <function_calls>name(key="value")\nother(n=1)</function_calls>     OLMo 3,
+                                                                             OLMo-Hybrid
 
 `ToolCallExtractor` reads a choice's text as it streams: text outside the blocks is content,
 each block becomes its calls when its end marker arrives (or when the output ends), and a
@@ -163,39 +165,61 @@ def _typed(text: str) -> Any:
     return text if value is None and text.strip() != "null" else value
 
 
-class Lfm2Format(ToolCallFormat):
-    """LFM2's Python-call list: keyword arguments only, each a literal (Python's, or JSON's
+class PythonicFormat(ToolCallFormat):
+    """Calls written as Python: keyword arguments only, each a literal (Python's, or JSON's
     true / false / null, which templates that render with `tojson` write)."""
-
-    name = "lfm2"
-    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
 
     @classmethod
     def writes(cls, template: str) -> bool:
         return cls.start in template
 
     def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
-        try:
-            tree = ast.parse(block.strip(), mode="eval").body
-        except SyntaxError:
+        return _python_calls(block.strip())
+
+
+class Lfm2Format(PythonicFormat):
+    """LFM2: one Python list of calls."""
+
+    name = "lfm2"
+    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
+
+
+class Olmo3Format(PythonicFormat):
+    """OLMo 3: one call a line, or a list of them."""
+
+    name = "olmo3"
+    start, end = "<function_calls>", "</function_calls>"
+
+    def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
+        lines = [line.strip() for line in block.strip().splitlines() if line.strip()]
+        if len(lines) > 1 or (lines and not lines[0].startswith("[")):
+            return _python_calls(f"[{', '.join(lines)}]")
+        return _python_calls(block.strip())
+
+
+def _python_calls(text: str) -> list[ToolCall] | None:
+    """A Python list of keyword calls as calls; None when the text is not one."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for node in tree.elts:
+        name = _dotted(node.func) if isinstance(node, ast.Call) else None
+        if name is None or node.args:  # type: ignore[union-attr]
             return None
-        if not isinstance(tree, ast.List):
-            return None
-        calls = []
-        for node in tree.elts:
-            name = _dotted(node.func) if isinstance(node, ast.Call) else None
-            if name is None or node.args:  # type: ignore[union-attr]
+        arguments = {}
+        for keyword in node.keywords:  # type: ignore[union-attr]
+            if keyword.arg is None:
                 return None
-            arguments = {}
-            for keyword in node.keywords:  # type: ignore[union-attr]
-                if keyword.arg is None:
-                    return None
-                value = _literal(keyword.value)
-                if value is _NOT_LITERAL:
-                    return None
-                arguments[keyword.arg] = value
-            calls.append(ToolCall.of(name, arguments))
-        return calls
+            value = _literal(keyword.value)
+            if value is _NOT_LITERAL:
+                return None
+            arguments[keyword.arg] = value
+        calls.append(ToolCall.of(name, arguments))
+    return calls
 
 
 _NOT_LITERAL = object()
@@ -232,7 +256,7 @@ def _literal(node: ast.expr) -> Any:
 
 
 FORMATS: dict[str, type[ToolCallFormat]] = {
-    f.name: f for f in (HermesFormat, Qwen3CoderFormat, NemotronJsonFormat, Lfm2Format)
+    f.name: f for f in (HermesFormat, Qwen3CoderFormat, NemotronJsonFormat, Lfm2Format, Olmo3Format)
 }
 
 

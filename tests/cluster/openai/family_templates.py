@@ -165,12 +165,38 @@ List of tools: <|tool_list_start|>[{% for tool in tools %}{{ tool | tojson }}\
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# OLMo 3 (and OLMo-Hybrid) instruct: tools in <functions>, one Python call a line in
+# <function_calls>, tool answers as the environment's turn.
+OLMO_3 = """\
+{%- if tools or messages[0].role == 'system' %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+{%- if tools %} <functions>{{ tools | tojson }}</functions>{% endif %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% continue %}{% endif %}
+{%- if message.role == 'tool' %}<|im_start|>environment
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- if message.tool_calls %}<function_calls>
+{%- for call in message.tool_calls %}{{ '\\n' }}{{ call.function.name }}(
+{%- for name, value in call.function.arguments | items %}{{ name }}={{ value | tojson }}\
+{% if not loop.last %}, {% endif %}{% endfor %}){% endfor %}{{ '\\n' }}</function_calls>\
+{% endif %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 FAMILIES = {
     "qwen3_5": QWEN3_5,
     "qwen3_next": QWEN3_NEXT,
     "granite_4": GRANITE_4,
     "nemotron_h": NEMOTRON_H,
     "lfm2": LFM2,
+    "olmo_3": OLMO_3,
 }
 # The tool-call format and whether a reasoning parser is read from each template.
 EXPECTED_PARSERS = {
@@ -179,6 +205,7 @@ EXPECTED_PARSERS = {
     "granite_4": ("hermes", False),
     "nemotron_h": ("nemotron_json", True),
     "lfm2": ("lfm2", False),
+    "olmo_3": ("olmo3", False),
 }
 
 
@@ -195,10 +222,10 @@ def written(format_name: str, calls: list[tuple[str, dict]]) -> str:
             params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
             blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>\n")
         return "".join(blocks)
+    python = [f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls]
     if format_name == "lfm2":
-        python = ", ".join(
-            f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls
-        )
-        return f"<|tool_call_start|>[{python}]<|tool_call_end|>"
+        return f"<|tool_call_start|>[{', '.join(python)}]<|tool_call_end|>"
+    if format_name == "olmo3":
+        return "<function_calls>\n" + "\n".join(python) + "\n</function_calls>"
     entries = [{"name": n, "arguments": a} for n, a in calls]
     return f"<TOOLCALL>{json.dumps(entries)}</TOOLCALL>"

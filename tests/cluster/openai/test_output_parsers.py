@@ -193,6 +193,7 @@ def test_lfm2_blocks_that_are_not_keyword_literal_calls_stay_content(body):
         ("{{ '<tool_call>\\n<function=' + name + '>' }}", "qwen3_coder"),
         ("<TOOLCALL>{{ calls | tojson }}</TOOLCALL>", "nemotron_json"),
         ("<|tool_call_start|>[{{ call }}]<|tool_call_end|>", "lfm2"),
+        ("<function_calls>{{ call }}</function_calls>", "olmo3"),
         ("{{ messages }}", None),
     ],
 )
