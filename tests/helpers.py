@@ -227,6 +227,36 @@ def _lfm2_moe(**overrides: Any) -> Any:
     return model
 
 
+def _falcon_h1(**overrides: Any) -> Any:
+    """Every muP multiplier away from 1 (each folded into other weights at load); the Mamba
+    output gated without a norm, transformers' default."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    shapes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "mamba_n_heads": 8,
+        "mamba_d_ssm": 64,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.5,
+        "key_multiplier": 0.8,
+        "attention_in_multiplier": 1.2,
+        "attention_out_multiplier": 0.9,
+        "ssm_in_multiplier": 1.1,
+        "ssm_out_multiplier": 0.7,
+        "ssm_multipliers": [0.9, 1.1, 1.2, 0.8, 1.3],
+        "mlp_multipliers": [1.2, 0.8],
+    }
+    return FalconH1ForCausalLM(FalconH1Config(**(shapes | overrides)))
+
+
 BUILDERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
@@ -239,14 +269,25 @@ BUILDERS = {
     "olmo_hybrid_rope": lambda **overrides: _olmo_hybrid(rope=True, **overrides),
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
+    "falcon_h1": _falcon_h1,
+    # The Mamba2 output RMS-normed before its gate, with biases on every projection.
+    "falcon_h1_norm": lambda **overrides: _falcon_h1(
+        mamba_rms_norm=True,
+        mamba_proj_bias=True,
+        projectors_bias=True,
+        attention_bias=True,
+        mlp_bias=True,
+        **overrides,
+    ),
 }
 MAMBA2_ARCHITECTURES = ("nemotron_h", "bamba", "granitemoehybrid")
 GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid")
 ARCHITECTURES = tuple(BUILDERS)
 # Checkpoint forms checked against transformers (tests/workers/test_parity.py) and at load,
 # but left out of the suites that run every family: the same model in other names (Qwen3.5's
-# image-text checkpoint), or a path those suites cover on another family (OLMo with RoPE).
-FORM_ONLY = ("qwen3_5_vl", "olmo_hybrid_rope")
+# image-text checkpoint), or a path those suites cover on another family (OLMo with RoPE,
+# Falcon-H1's Mamba2 norm before its gate).
+FORM_ONLY = ("qwen3_5_vl", "olmo_hybrid_rope", "falcon_h1_norm")
 FAMILIES = tuple(arch for arch in ARCHITECTURES if arch not in FORM_ONLY)
 
 

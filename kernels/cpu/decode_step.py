@@ -40,6 +40,7 @@ from hybridserve.kernels.dispatch import BACKEND_ENV
 
 KIND_MAMBA, KIND_ATTENTION, KIND_MLP, KIND_GDN, KIND_SHORT_CONV = 0, 1, 2, 3, 4
 ACTIVATIONS = {None: 0, "silu": 1, "relu2": 2, "gelu": 3}
+GATE_MODES = {"norm_after_gate": 0, "norm_before_gate": 1, "no_norm": 2}
 
 _float_p = ctypes.POINTER(ctypes.c_float)
 
@@ -79,6 +80,9 @@ class Layer(ctypes.Structure):
         ("qk_norm_all_heads", ctypes.c_int64),
         ("post_norm", ctypes.c_int64),
         ("beta_scale", ctypes.c_float),
+        ("gate_mode", ctypes.c_int64),
+        ("parallel", ctypes.c_int64),
+        ("keep_input", ctypes.c_int64),
     ]
 
 
@@ -105,6 +109,7 @@ class Model(ctypes.Structure):
         *((name, _float_p) for name in ("hidden", "normed", "projected", "mixed")),
         ("projected_size", ctypes.c_int64),
         ("mixed_size", ctypes.c_int64),
+        ("layer_input", _float_p),
     ]
 
 

@@ -1,4 +1,5 @@
-"""Mamba2 mixer: in_proj -> causal conv -> selective scan -> gated RMSNorm -> out_proj.
+"""Mamba2 mixer: in_proj -> causal conv -> selective scan -> gated RMSNorm -> out_proj (or,
+per `MambaSpec.gate`, the norm before the gate, or the gate alone).
 
 State per sequence lives in a state slot (this layer's conv window and SSM state: the Mamba2
 kind of models/recurrent_state.py). Decode rows
@@ -86,8 +87,10 @@ class MambaMixer(nn.Module):
         )
         self.A_log = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [dt_rows])
         self.D = mark_shard(new_param(self.num_heads, dtype=dtype, device=device), 0, [dt_rows])
-        self.norm_weight = mark_shard(
-            new_param(self.intermediate, dtype=dtype, device=device), 0, [head_rows]
+        self.norm_weight = (
+            mark_shard(new_param(self.intermediate, dtype=dtype, device=device), 0, [head_rows])
+            if spec.gate != "no_norm"
+            else None
         )
         self.out_proj = RowParallelLinear(
             inner, hidden_size, spec.proj_bias, parallel, dtype, device, name="mamba out_proj"
@@ -176,24 +179,35 @@ class MambaMixer(nn.Module):
             )
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         y = y.reshape(num_tokens, self.intermediate)
-        if self.norm_spans_ranks:
-            y = self._gated_norm_across_ranks(y, z)
+        if spec.gate == "no_norm":
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        elif spec.gate == "norm_before_gate":
+            y = (self._group_norm(y.float()) * F.silu(z.float())).to(y.dtype)
+        elif self.norm_spans_ranks:
+            y = self._group_norm(y.float() * F.silu(z.float())).to(y.dtype)
         else:
             group_size = self.intermediate // groups
             y = gated_rms_norm(y, z, self.norm_weight, group_size=group_size, eps=spec.norm_eps)
         return self.out_proj(y)
 
-    def _gated_norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated RMS norm when this rank holds only part of its norm group: each rank's
-        sum of squares goes into its group's column, one all-reduce completes every group.
+    def _group_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of float32 `h` per norm group, times the weight. Where this rank holds only
+        part of its group, each rank's sum of squares goes into its group's column and one
+        all-reduce completes every group.
 
             rank:     0        1        2        3          (n_groups 2, tp 4)
             channels: [ group 0 ........ ][ group 1 ........ ]
         """
-        h = y.float() * F.silu(z.float())
-        sums = h.new_zeros(h.shape[0], self.spec.n_groups)
-        sums[:, self.norm_group] = h.square().sum(dim=-1)
-        group_size = self.spec.intermediate_size // self.spec.n_groups
-        variance = self.parallel.reduce(sums)[:, self.norm_group] / group_size
-        normed = h * torch.rsqrt(variance + self.spec.norm_eps)[:, None]
-        return (normed * self.norm_weight.float()).to(y.dtype)
+        assert self.norm_weight is not None
+        spec = self.spec
+        if self.norm_spans_ranks:
+            sums = h.new_zeros(h.shape[0], spec.n_groups)
+            sums[:, self.norm_group] = h.square().sum(dim=-1)
+            group_size = spec.intermediate_size // spec.n_groups
+            variance = self.parallel.reduce(sums)[:, self.norm_group] / group_size
+            normed = h * torch.rsqrt(variance + spec.norm_eps)[:, None]
+        else:
+            grouped = h.view(h.shape[0], self.n_groups, -1)
+            variance = grouped.square().mean(dim=-1, keepdim=True)
+            normed = (grouped * torch.rsqrt(variance + spec.norm_eps)).view_as(h)
+        return normed * self.norm_weight.float()

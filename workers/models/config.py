@@ -28,7 +28,14 @@ LayerKind = Literal["mamba2", "gdn", "short_conv", "attention", "mlp", "moe"]
 RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn", "short_conv")
 Activation = Literal["silu", "relu2", "gelu"]
 Architecture = Literal[
-    "nemotron_h", "bamba", "granitemoehybrid", "qwen3_next", "qwen3_5", "olmo_hybrid", "lfm2"
+    "nemotron_h",
+    "bamba",
+    "granitemoehybrid",
+    "qwen3_next",
+    "qwen3_5",
+    "olmo_hybrid",
+    "lfm2",
+    "falcon_h1",
 ]
 
 
@@ -69,6 +76,9 @@ class MambaSpec(_Frozen):
     # dt is clamped to this range after bias + softplus, in prefill and decode alike.
     dt_min: float = 0.0
     dt_max: float = math.inf
+    # How the scan's output y meets the gate z before out_proj: RMSNorm(y * silu(z)) per group
+    # (Mamba2's own), RMSNorm(y) * silu(z), or y * silu(z) with no norm (Falcon-H1's options).
+    gate: Literal["norm_after_gate", "norm_before_gate", "no_norm"] = "norm_after_gate"
 
     @property
     def intermediate_size(self) -> int:
@@ -243,6 +253,13 @@ class HybridModelConfig(_Frozen):
     # Sublayers whose norm applies to the op's output, x + norm(op(x)) (OLMo's attention
     # layers), where the others compute x + op(norm(x)).
     post_norm_layer_ids: tuple[int, ...] = ()
+    # Sublayers that read the input of the sublayer before them rather than its output, so
+    # both add to one residual: x + a(norm(x)) + b(norm'(x)) (Falcon-H1's attention beside
+    # its Mamba2 mixer).
+    parallel_layer_ids: tuple[int, ...] = ()
+    # Scalars of the checkpoint format that its adapter folds into the weights at load
+    # (Falcon-H1's muP multipliers); the model never reads them.
+    weight_multipliers: Mapping[str, float] = {}
     mamba2: MambaSpec | None = None
     gdn: GatedDeltaNetSpec | None = None
     short_conv: ShortConvSpec | None = None
@@ -263,6 +280,8 @@ class HybridModelConfig(_Frozen):
             raise ValueError("multi-token-prediction layers hold no recurrent state")
         if bool(self.mtp_layer_kinds) != bool(self.num_mtp_steps):
             raise ValueError("mtp_layer_kinds and num_mtp_steps go together")
+        if any(not 0 < i < len(self.layer_kinds) for i in self.parallel_layer_ids):
+            raise ValueError("a parallel sublayer needs a sublayer before it")
         recurrent = {kind for kind in self.layer_kinds if kind in RECURRENT_KINDS}
         if len(recurrent) > 1:
             # NOTE: the state pools hold one state description; a model mixing recurrent kinds

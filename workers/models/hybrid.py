@@ -2,8 +2,9 @@
 
 The checkpoint format differences live in the architecture adapters (`nemotron_h.py`,
 `bamba.py`, `granite_moe_hybrid.py`, `qwen3_next.py`); this module only sees a
-`HybridModelConfig`: a stack of residual sublayers `x + residual_multiplier * op(norm(x))`,
-each op one of mamba2 / gdn / attention / mlp / moe.
+`HybridModelConfig`: a stack of residual sublayers `x + residual_multiplier * op(norm(x))`
+(post-norm ones `op` then `norm`; a parallel one reads the input of the sublayer before it),
+each op one of mamba2 / gdn / short_conv / attention / mlp / moe.
 
 Zero-centred norms (the checkpoint stores w, the norm scales by 1 + w) keep float32 weights:
 the loader adds the 1 in float32, so the scale is exactly the one the model was trained with
@@ -56,6 +57,7 @@ class HybridForCausalLM(nn.Module):
             layers.append(
                 Sublayer(config, kind, index, parallel, dtype, device, post_norm=post_norm)
             )
+        self.parallel_layers = frozenset(config.parallel_layer_ids)
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(
             config.hidden_size, config.norm_eps, norm_weight_dtype(config, dtype), device
@@ -83,8 +85,11 @@ class HybridForCausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
         residual_multiplier = self.config.residual_multiplier
-        for layer in self.layers:
-            out = layer(hidden, batch, caches)
+        layer_input = hidden
+        for i, layer in enumerate(self.layers):
+            if i not in self.parallel_layers:  # a parallel sublayer reads its neighbour's input
+                layer_input = hidden
+            out = layer(layer_input, batch, caches)
             hidden = hidden + (out if residual_multiplier == 1.0 else out * residual_multiplier)
         return self.final_norm(hidden)
 

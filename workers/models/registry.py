@@ -5,6 +5,7 @@ from __future__ import annotations
 from hybridserve.workers.models.adapter import ArchitectureAdapter
 from hybridserve.workers.models.bamba import BambaAdapter
 from hybridserve.workers.models.config import ConfigError
+from hybridserve.workers.models.falcon_h1 import FalconH1Adapter
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
 from hybridserve.workers.models.lfm2 import Lfm2Adapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
@@ -20,6 +21,7 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
         Qwen3NextAdapter(),
         OlmoHybridAdapter(),
         Lfm2Adapter(),
+        FalconH1Adapter(),
     )
     for model_type in adapter.model_types
 }

@@ -8,6 +8,8 @@
 
 enum { KIND_MAMBA = 0, KIND_ATTENTION = 1, KIND_MLP = 2, KIND_GDN = 3, KIND_SHORT_CONV = 4 };
 enum { ACT_NONE = 0, ACT_SILU = 1, ACT_RELU2 = 2, ACT_GELU = 3 };
+/* how Mamba2's scan output meets its gate (MambaSpec.gate) */
+enum { GATE_NORM_AFTER = 0, GATE_NORM_BEFORE = 1, GATE_NO_NORM = 2 };
 
 typedef struct {
     const float *weight, *bias; /* (rows, cols) row-major; bias (rows,) or NULL */
@@ -48,6 +50,11 @@ typedef struct {
     int64_t post_norm;
     /* gdn: beta = beta_scale * sigmoid(b) */
     float beta_scale;
+    /* mamba: GATE_* */
+    int64_t gate_mode;
+    /* parallel: the op reads the input of the layer before it (`layer_input`), which that
+       layer keeps (keep_input) */
+    int64_t parallel, keep_input;
 } Layer;
 
 typedef struct {
@@ -68,6 +75,8 @@ typedef struct {
        projections (projected_size), the mixer's inner values (mixed_size) */
     float *hidden, *normed, *projected, *mixed;
     int64_t projected_size, mixed_size;
+    /* the residual stream as a layer with keep_input saw it (hidden_size a row) */
+    float *layer_input;
 } Model;
 
 /* The step's rows: each one token at position seq_len - 1. Rows come in lanes: the rows of
@@ -162,15 +171,22 @@ static void project_residual(const Model *m, const Linear *l, const float *x, in
     }
 }
 
-/* The op's input in `normed`: the residual stream normed, or (post-norm) as it is. */
+/* The op's input in `normed`: the residual stream (as the layer before saw it, for a parallel
+   layer) normed, or (post-norm) as it is. */
 static void sublayer_input(const Model *m, const Layer *l, int64_t rows) {
     const int64_t H = m->hidden_size;
+    const float *x = l->parallel ? m->layer_input : m->hidden;
+    if (l->keep_input) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            memcpy(m->layer_input + r * H, m->hidden + r * H, sizeof(float) * H);
+    }
     if (!l->post_norm) {
-        rms_norm(m->hidden, l->norm, H, m->norm_eps, m->normed, rows);
+        rms_norm(x, l->norm, H, m->norm_eps, m->normed, rows);
         return;
     }
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) memcpy(m->normed + r * H, m->hidden + r * H, sizeof(float) * H);
+    for (int64_t r = 0; r < rows; ++r) memcpy(m->normed + r * H, x + r * H, sizeof(float) * H);
 }
 
 /* The output projection of x (rows mixed_size apart) added to the residual stream; post-norm
@@ -258,14 +274,23 @@ static void mamba(const Model *m, const Layer *l, const Step *step) {
         for (int64_t g = 0; g < l->groups; ++g) {
             float *y = m->mixed + r * m->mixed_size + conv_dim + g * group_size;
             const float *z = m->projected + r * m->projected_size + g * group_size;
-            float squares = 0.0f;
-            for (int64_t i = 0; i < group_size; ++i) {
-                y[i] *= silu(z[i]);
-                squares += y[i] * y[i];
+            if (l->gate_mode == GATE_NO_NORM) {
+                for (int64_t i = 0; i < group_size; ++i) y[i] *= silu(z[i]);
+            } else if (l->gate_mode == GATE_NORM_BEFORE) {
+                const float inverse = 1.0f / sqrtf(dot(y, y, group_size) / (float)group_size +
+                                                   l->gate_eps);
+                const float *w = l->gate_norm + g * group_size;
+                for (int64_t i = 0; i < group_size; ++i) y[i] = y[i] * inverse * w[i] * silu(z[i]);
+            } else {
+                float squares = 0.0f;
+                for (int64_t i = 0; i < group_size; ++i) {
+                    y[i] *= silu(z[i]);
+                    squares += y[i] * y[i];
+                }
+                const float inverse = 1.0f / sqrtf(squares / (float)group_size + l->gate_eps);
+                const float *w = l->gate_norm + g * group_size;
+                for (int64_t i = 0; i < group_size; ++i) y[i] = y[i] * inverse * w[i];
             }
-            const float inverse = 1.0f / sqrtf(squares / (float)group_size + l->gate_eps);
-            for (int64_t i = 0; i < group_size; ++i)
-                y[i] = y[i] * inverse * l->gate_norm[g * group_size + i];
         }
     }
     sublayer_output(m, l, m->mixed + conv_dim, rows);

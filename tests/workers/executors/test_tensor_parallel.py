@@ -5,7 +5,7 @@ Checkpoints cover the sharding rules: one KV head (replicated over the ranks), M
 fewer than the ranks (replicated, the gated norm summed across ranks) and equal to them (split),
 Gated DeltaNet key heads equal to the ranks (split) and fewer (replicated), three experts over two
 ranks (expert parallelism, uneven), shared experts (gated ones too), q/k norms spanning every
-head (OLMo), short-convolution channels (LFM2), and TP 4.
+head (OLMo), short-convolution channels (LFM2), Falcon-H1's parallel mixers, and TP 4.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo-hybrid-1-kv-head": ("olmo_hybrid", {"num_key_value_heads": 1}),
     # Short-conv channels split; 3 experts over 2 ranks, chosen with an expert bias.
     "lfm2-moe-3-experts": ("lfm2_moe", {"num_experts": 3}),
+    # Attention beside Mamba2; one Mamba group over 2 ranks, normed before its gate (the
+    # group's sum of squares completed across the ranks); multipliers folded into shards.
+    "falcon-h1-1-group": ("falcon_h1_norm", {"mamba_n_groups": 1}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -79,6 +82,7 @@ RUNS = [
     ("olmo-hybrid-1-kv-head", 2, False),
     ("lfm2-moe-3-experts", 2, False),
     ("lfm2-moe-3-experts", 2, True),
+    ("falcon-h1-1-group", 2, False),
 ]
 
 

@@ -374,8 +374,8 @@ def test_unsupported_model_type_lists_the_supported_ones(model_type):
     assert error.field == "model_type"
     assert str(error) == (
         f"ckpt/config.json: field 'model_type': unsupported model type {model_type!r} "
-        "(supported: bamba, granitemoehybrid, lfm2, lfm2_moe, nemotron_h, olmo_hybrid, qwen3_5, "
-        "qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
+        "(supported: bamba, falcon_h1, granitemoehybrid, lfm2, lfm2_moe, nemotron_h, olmo_hybrid, "
+        "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
     )
 
 
@@ -579,4 +579,63 @@ def test_lfm2_moe_dense_layers_then_experts_with_a_bias():
 )  # fmt: skip
 def test_a_bad_lfm2_config_is_refused_naming_the_field(raw, field, message):
     error = config_error(raw)
+    assert error.field == field and message in str(error)
+
+
+# ---- Falcon-H1 -----------------------------------------------------------------------------
+
+
+def falcon(**changes: Any) -> dict[str, Any]:
+    return {
+        "model_type": "falcon_h1",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "mamba_n_heads": 8,
+        "mamba_d_ssm": 64,
+        "mamba_d_head": "auto",
+        "mamba_n_groups": 2,
+        "mamba_d_state": 16,
+    } | changes
+
+
+def test_a_falcon_h1_config_parses_to_parallel_mixers_and_folded_multipliers():
+    config = parse(falcon(lm_head_multiplier=0.5, ssm_multipliers=[1, 2, 3, 4, 5]))
+    assert config.layer_kinds == ("mamba2", "attention", "mlp") * 2
+    assert config.parallel_layer_ids == (1, 4)  # each attention reads its Mamba2's input
+    assert config.logits_divisor == 2.0
+    assert config.mamba2 is not None and config.mamba2.head_dim == 8
+    assert config.mamba2.gate == "no_norm"
+    assert config.weight_multipliers["ssm_dt"] == 5.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "gate"),
+    [
+        ({"mamba_rms_norm": True}, "norm_before_gate"),
+        ({"mamba_rms_norm": True, "mamba_norm_before_gate": False}, "norm_after_gate"),
+    ],
+)
+def test_falcon_h1_mamba_gate_follows_the_config(changes, gate):
+    config = parse(falcon(**changes))
+    assert config.mamba2 is not None and config.mamba2.gate == gate
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"mamba_d_head": 10}, "mamba_d_head",
+         "mamba_n_heads (8) * mamba_d_head (10) must equal the Mamba inner size (64"),
+        ({"mamba_proj_bias": True}, "projectors_bias", "must equal mamba_proj_bias"),
+        ({"ssm_multipliers": [1, 2]}, "ssm_multipliers", "expected 5 numbers, got [1, 2]"),
+        ({"mlp_multipliers": [1, "x"]}, "mlp_multipliers", "expected a number, got 'x'"),
+        ({"lm_head_multiplier": 0}, "lm_head_multiplier", "must be > 0"),
+        ({"hidden_act": "gelu"}, "hidden_act", "must be silu (the MLP and the Mamba conv)"),
+    ],
+)  # fmt: skip
+def test_a_bad_falcon_h1_config_is_refused_naming_the_field(changes, field, message):
+    error = config_error(falcon(**changes))
     assert error.field == field and message in str(error)

@@ -9,9 +9,10 @@ gets the model once, as a table of weight pointers and sizes built from the load
 and the pools' addresses and strides; a step passes each row's token, context length, block
 table and state slot.
 
-It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2, Gated
-DeltaNet, short convolutions (LFM2), attention (with or without RoPE, gated or not, q/k norms
-per head or over all heads) and dense MLPs, each pre-norm or post-norm (OLMo); `unsupported` and
+It applies to fp32 models on the CPU at tensor_parallel_size 1 whose layers are Mamba2 (each
+way its gate meets its norm), Gated DeltaNet, short convolutions (LFM2), attention (with or
+without RoPE, gated or not, q/k norms per head or over all heads) and dense MLPs, each pre-norm
+or post-norm (OLMo), after the one before or beside it (Falcon-H1); `unsupported` and
 `prepare` say why not otherwise (MoE layers, say). The tests compare it with the model's eager
 step on the same states (tests/workers/runner/paths/test_native.py), and every
 engine test that decodes up to eight requests at a time runs it against transformers.
@@ -136,10 +137,12 @@ class NativePath(ForwardPath):
         config = model.config
         self.vocab_size = model.lm_head_weight.shape[0]  # at tensor_parallel_size 1, unpadded
         layers = [self._layer(sublayer) for sublayer in model.layers]
+        for i in model.parallel_layers:  # the layer before a parallel one keeps its input
+            layers[i].parallel, layers[i - 1].keep_input = True, True
         self._layers = (Layer * len(layers))(*layers)
         projected = max((sum(linear.rows for linear in layer.in_) for layer in layers), default=1)
         mixed = max((_mixed_size(sublayer.op) for sublayer in model.layers), default=1)
-        sizes = (config.hidden_size, config.hidden_size, projected, mixed)
+        sizes = (config.hidden_size, config.hidden_size, projected, mixed, config.hidden_size)
         buffers = [torch.empty(MAX_ROWS * size, dtype=torch.float32) for size in sizes]
         self._keep += buffers
         scratch = [self._pointer(buffer) for buffer in buffers]
@@ -164,6 +167,7 @@ class NativePath(ForwardPath):
             mixed=scratch[3],
             projected_size=projected,
             mixed_size=mixed,
+            layer_input=scratch[4],
         )
         self._model_pointer = ctypes.pointer(self.model_table)
         # A step's inputs, in buffers kept from step to step that the step's table points at
@@ -278,6 +282,7 @@ class NativePath(ForwardPath):
             layer.state_size, layer.conv_kernel = spec.state_size, spec.conv_kernel
             layer.conv_silu = spec.activation == "silu"  # as the conv kernels read it
             layer.gate_eps, layer.dt_min, layer.dt_max = spec.norm_eps, spec.dt_min, spec.dt_max
+            layer.gate_mode = cpu_decode_step.GATE_MODES[spec.gate]
         elif isinstance(op, GatedDeltaNet):
             spec = op.spec
             A = -torch.exp(op.A_log.float())  # as the model's step computes it

@@ -90,6 +90,10 @@ SHAPES = {
     "olmo_hybrid": ("olmo_hybrid", {}),
     # LFM2: gated short convolutions (conv, in_proj and out_proj biases), per-head q/k norms
     "lfm2": ("lfm2", {"conv_bias": True}),
+    # Falcon-H1: attention beside Mamba2 (parallel sublayers), the Mamba2 gate without a norm
+    # and with it before the gate, biases on every projection, folded muP multipliers
+    "falcon_h1": ("falcon_h1", {}),
+    "falcon_h1_norm": ("falcon_h1_norm", {}),
     # one key head for four value heads, one KV head, an MLP of 94 rows
     "qwen3_5_one_key_head": (
         "qwen3_5",
