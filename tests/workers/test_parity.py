@@ -9,6 +9,7 @@ from hybridserve.workers import LLM, SamplingParams
 from tests.helpers import (
     ARCHITECTURES,
     FAMILIES,
+    PATH_REPRESENTATIVES,
     assert_pools_at_baseline,
     engine_logprobs,
     hf_greedy,
@@ -49,6 +50,9 @@ def test_greedy_tokens_and_prompt_logprobs_match_transformers(reference):
     assert_pools_at_baseline(llm.engine)
 
 
+# The suites below run on every family; a checkpoint form of one (FORM_ONLY) differs in what
+# loads, which the test above checks.
+@pytest.mark.parametrize("reference", FAMILIES, indirect=True)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 64])
 def test_chunked_prefill_and_block_sizes_match_transformers(
@@ -71,8 +75,8 @@ def test_chunked_prefill_and_block_sizes_match_transformers(
     assert_pools_at_baseline(llm.engine)
 
 
-# Checkpoint forms of a family (FORM_ONLY) differ in loading, not in the graph compiled.
-@pytest.mark.parametrize("reference", FAMILIES, indirect=True)
+# The compiled graph: one family per recurrent kind (tests/helpers.py PATH_REPRESENTATIVES).
+@pytest.mark.parametrize("reference", PATH_REPRESENTATIVES, indirect=True)
 def test_compiled_decode_matches_transformers(reference, caplog):
     """Decode steps through torch.compile: the graph for one row and the dynamic one (eight
     rows, then rows finishing at different lengths), block tables from 1 to 21 blocks, all
@@ -101,6 +105,7 @@ def test_compiled_decode_matches_transformers(reference, caplog):
     assert_pools_at_baseline(llm.engine)
 
 
+@pytest.mark.parametrize("reference", FAMILIES, indirect=True)
 def test_requests_together_equal_each_alone(reference):
     """16 requests of different lengths in one engine (decodes mixed with prefill chunks)
     produce what each produces on its own."""

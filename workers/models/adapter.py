@@ -18,6 +18,7 @@ import torch
 from hybridserve.workers.models.config import (
     AttentionSpec,
     ConfigReader,
+    GatedDeltaNetSpec,
     HybridModelConfig,
     MambaSpec,
     RopeSpec,
@@ -80,6 +81,23 @@ def single(key: str) -> Alternatives:
     return [[WeightSource(key)]]
 
 
+def model_sources(name: str, *, embed: str, final_norm: str) -> Alternatives | None:
+    """The checkpoint tensors of the model's own parameters (embedding, final norm, LM head),
+    for formats that keep them as `{embed}`, `{final_norm}` and `lm_head.weight`; None for a
+    layer's parameter."""
+    keys = {"embed.weight": embed, "final_norm.weight": final_norm, "lm_head": "lm_head.weight"}
+    return single(keys[name]) if name in keys else None
+
+
+def split_layer_name(name: str, sublayers: int = 2) -> tuple[int, int, str]:
+    """`layers.{j}.{rest}` of a format whose decoder layers are `sublayers` of ours each ->
+    (its layer index, which of the layer's sublayers, rest)."""
+    match = LAYER_NAME.fullmatch(name)
+    assert match is not None, name
+    index = int(match[1])
+    return index // sublayers, index % sublayers, match[2]
+
+
 def mamba_key(prefix: str, param: str) -> str:
     return f"{prefix}.{MAMBA_RENAMES.get(param, param)}"
 
@@ -108,6 +126,28 @@ def check_mamba(
         raise reader.error(
             activation_field, f"the Mamba conv activation must be silu, got {spec.activation!r}"
         )
+
+
+def gated_deltanet_spec(
+    reader: ConfigReader, norm_eps: float, beta_scale: float = 1.0
+) -> GatedDeltaNetSpec:
+    """The `linear_*` fields of the Gated DeltaNet families (Qwen3-Next, Qwen3.5, OLMo-Hybrid)."""
+    spec = GatedDeltaNetSpec(
+        num_key_heads=reader.int("linear_num_key_heads"),
+        num_value_heads=reader.int("linear_num_value_heads"),
+        key_head_dim=reader.int("linear_key_head_dim"),
+        value_head_dim=reader.int("linear_value_head_dim"),
+        conv_kernel=reader.int("linear_conv_kernel_dim", 4, minimum=2),
+        norm_eps=norm_eps,
+        beta_scale=beta_scale,
+    )
+    if spec.num_value_heads % spec.num_key_heads:
+        raise reader.error(
+            "linear_num_value_heads",
+            f"{spec.num_value_heads} is not a multiple of linear_num_key_heads="
+            f"{spec.num_key_heads}",
+        )
+    return spec
 
 
 def attention_spec(

@@ -7,19 +7,21 @@ RoPE on half of each head. Each HF layer becomes two sublayers here: mixer, then
 from __future__ import annotations
 
 from hybridserve.workers.models.adapter import (
-    LAYER_NAME,
     Alternatives,
     ModelFamily,
     WeightSource,
     attention_spec,
     check_mamba,
     mamba_key,
+    model_sources,
     single,
+    split_layer_name,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
     HybridModelConfig,
     LayerKind,
+    MambaGate,
     MambaSpec,
     MLPSpec,
     parse_layer_names,
@@ -32,14 +34,7 @@ def mixer_kinds(reader: ConfigReader, index_field: str | None) -> list[LayerKind
     """Per-layer mixer kinds from a `layer_types`-style list or a list of attention indices."""
     for field in ("layer_types", "layers_block_type"):
         if reader.has(field):
-            kinds = parse_layer_names(reader, field, MIXER_KINDS)
-            if reader.has("num_hidden_layers") and reader.int("num_hidden_layers") != len(kinds):
-                raise reader.error(
-                    field,
-                    f"lists {len(kinds)} layers but num_hidden_layers is "
-                    f"{reader.raw['num_hidden_layers']}",
-                )
-            return kinds
+            return parse_layer_names(reader, field, MIXER_KINDS, counted=True)
     num_layers = reader.int("num_hidden_layers")
     indices = reader.raw.get(index_field) if index_field else None
     indices = indices or []
@@ -52,10 +47,17 @@ def mixer_kinds(reader: ConfigReader, index_field: str | None) -> list[LayerKind
     return ["attention" if i in indices else "mamba2" for i in range(num_layers)]
 
 
-def mamba_spec(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
-    """The `mamba_*` config fields shared by Bamba and GraniteMoeHybrid."""
+def mamba_spec(
+    reader: ConfigReader, hidden: int, eps: float, gate: MambaGate = "norm_after_gate"
+) -> MambaSpec:
+    """The `mamba_*` config fields of Bamba, GraniteMoeHybrid and Falcon-H1 (whose inner size
+    may be given as `mamba_d_ssm`)."""
     heads = reader.int("mamba_n_heads")
-    inner = reader.int("mamba_expand", 2) * hidden
+    inner = (
+        reader.int("mamba_d_ssm")
+        if reader.has("mamba_d_ssm")
+        else reader.int("mamba_expand", 2) * hidden
+    )
     head_dim = (
         inner // heads
         if reader.raw.get("mamba_d_head", "auto") == "auto"
@@ -64,8 +66,8 @@ def mamba_spec(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
     if heads * head_dim != inner:
         raise reader.error(
             "mamba_d_head",
-            f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) "
-            f"must equal mamba_expand * hidden_size ({inner})",
+            f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) must equal the Mamba inner "
+            f"size ({inner}: mamba_d_ssm, or mamba_expand * hidden_size)",
         )
     dt_min, dt_max = reader.dt_limit("time_step_limit")
     spec = MambaSpec(
@@ -81,6 +83,7 @@ def mamba_spec(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
         norm_eps=eps,
         dt_min=dt_min,
         dt_max=dt_max,
+        gate=gate,
     )
     check_mamba(
         reader,
@@ -94,14 +97,6 @@ def mamba_spec(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
 
 def interleave(mixers: list[LayerKind], ffn: LayerKind) -> tuple[LayerKind, ...]:
     return tuple(kind for mixer in mixers for kind in (mixer, ffn))
-
-
-def split_layer_name(name: str) -> tuple[int, bool, str]:
-    """`layers.{j}.{rest}` -> (HF layer index, is the FFN half, rest)."""
-    match = LAYER_NAME.fullmatch(name)
-    assert match is not None, name
-    index = int(match[1])
-    return index // 2, index % 2 == 1, match[2]
 
 
 class BambaAdapter:
@@ -141,12 +136,11 @@ class BambaAdapter:
         )
 
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
-        if name == "embed.weight":
-            return single("model.embed_tokens.weight")
-        if name == "final_norm.weight":
-            return single("model.final_layernorm.weight")
-        if name == "lm_head":
-            return single("lm_head.weight")
+        own = model_sources(
+            name, embed="model.embed_tokens.weight", final_norm="model.final_layernorm.weight"
+        )
+        if own is not None:
+            return own
         index, is_ffn, rest = split_layer_name(name)
         layer = f"model.layers.{index}"
         if rest == "norm.weight":

@@ -27,6 +27,9 @@ LayerKind = Literal["mamba2", "gdn", "short_conv", "attention", "mlp", "moe"]
 # Layer kinds that keep per-sequence recurrent state (a slot in the state pools).
 RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn", "short_conv")
 Activation = Literal["silu", "relu2", "gelu"]
+# How a Mamba2 scan output meets its gate z: RMSNorm(y * silu(z)) per group (Mamba2's own),
+# RMSNorm(y) * silu(z), or y * silu(z) with no norm (Falcon-H1's options).
+MambaGate = Literal["norm_after_gate", "norm_before_gate", "no_norm"]
 Architecture = Literal[
     "nemotron_h",
     "bamba",
@@ -76,9 +79,7 @@ class MambaSpec(_Frozen):
     # dt is clamped to this range after bias + softplus, in prefill and decode alike.
     dt_min: float = 0.0
     dt_max: float = math.inf
-    # How the scan's output y meets the gate z before out_proj: RMSNorm(y * silu(z)) per group
-    # (Mamba2's own), RMSNorm(y) * silu(z), or y * silu(z) with no norm (Falcon-H1's options).
-    gate: Literal["norm_after_gate", "norm_before_gate", "no_norm"] = "norm_after_gate"
+    gate: MambaGate = "norm_after_gate"
 
     @property
     def intermediate_size(self) -> int:
@@ -449,9 +450,12 @@ def parse_layer_names(
     field: str,
     allowed: set[LayerKind],
     names: Mapping[str, LayerKind] = _LAYER_NAMES,
+    *,
+    counted: bool = False,
 ) -> list[LayerKind]:
     """A list of per-layer type names (current and legacy spellings; `names` maps them, the
-    Mamba2 families' by default) -> our layer kinds."""
+    Mamba2 families' by default) -> our layer kinds; `counted`: it must list as many layers
+    as `num_hidden_layers` says, where the config gives that."""
     value = reader.raw[field]
     if not isinstance(value, list) or not value:
         raise reader.error(field, f"expected a non-empty list of layer types, got {value!r}")
@@ -464,4 +468,10 @@ def parse_layer_names(
                 field, f"unknown layer type {name!r} at index {index} (known: {', '.join(known)})"
             )
         kinds.append(kind)
+    if counted and reader.has("num_hidden_layers"):
+        layers = reader.int("num_hidden_layers")
+        if layers != len(kinds):
+            raise reader.error(
+                field, f"lists {len(kinds)} layers but num_hidden_layers is {layers}"
+            )
     return kinds

@@ -27,17 +27,18 @@ from collections.abc import Callable
 import torch
 
 from hybridserve.workers.models.adapter import (
-    LAYER_NAME,
     Alternatives,
     ModelFamily,
     WeightSource,
     attention_spec,
-    check_mamba,
+    model_sources,
+    split_layer_name,
 )
+from hybridserve.workers.models.bamba import mamba_spec
 from hybridserve.workers.models.config import (
     ConfigReader,
     HybridModelConfig,
-    MambaSpec,
+    MambaGate,
     MLPSpec,
 )
 
@@ -92,7 +93,7 @@ class FalconH1Adapter:
             pad_token_id=reader.raw.get("pad_token_id"),
             parallel_layer_ids=tuple(3 * i + 1 for i in range(layers)),
             weight_multipliers=multipliers,
-            mamba2=self._mamba(reader, hidden, eps),
+            mamba2=mamba_spec(reader, hidden, eps, self._gate(reader)),
             attention=attention,
             mlp=MLPSpec(
                 intermediate_size=reader.int("intermediate_size"),
@@ -103,60 +104,19 @@ class FalconH1Adapter:
         )
 
     @staticmethod
-    def _mamba(reader: ConfigReader, hidden: int, eps: float) -> MambaSpec:
-        heads = reader.int("mamba_n_heads")
-        inner = (
-            reader.int("mamba_d_ssm")
-            if reader.has("mamba_d_ssm")
-            else reader.int("mamba_expand", 2) * hidden
-        )
-        auto = reader.raw.get("mamba_d_head", "auto") == "auto"
-        head_dim = inner // heads if auto else reader.int("mamba_d_head")
-        if heads * head_dim != inner:
-            raise reader.error(
-                "mamba_d_head",
-                f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) must equal the Mamba "
-                f"inner size ({inner}: mamba_d_ssm, or mamba_expand * hidden_size)",
-            )
-        gate = "no_norm"
-        if reader.bool("mamba_rms_norm", False):
-            before = reader.bool("mamba_norm_before_gate", True)
-            gate = "norm_before_gate" if before else "norm_after_gate"
-        dt_min, dt_max = reader.dt_limit("time_step_limit")
-        spec = MambaSpec(
-            num_heads=heads,
-            head_dim=head_dim,
-            state_size=reader.int("mamba_d_state"),
-            n_groups=reader.int("mamba_n_groups", 1),
-            conv_kernel=reader.int("mamba_d_conv", 4, minimum=2),
-            chunk_size=reader.int("mamba_chunk_size", 256),
-            conv_bias=reader.bool("mamba_conv_bias", True),
-            proj_bias=reader.bool("mamba_proj_bias", False),
-            activation="silu",
-            norm_eps=eps,
-            dt_min=dt_min,
-            dt_max=dt_max,
-            gate=gate,
-        )
-        check_mamba(
-            reader,
-            spec,
-            heads_field="mamba_n_heads",
-            groups_field="mamba_n_groups",
-            activation_field="hidden_act",
-        )
-        return spec
+    def _gate(reader: ConfigReader) -> MambaGate:
+        if not reader.bool("mamba_rms_norm", False):
+            return "no_norm"
+        before = reader.bool("mamba_norm_before_gate", True)
+        return "norm_before_gate" if before else "norm_after_gate"
 
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
-        if name == "lm_head":
-            return [[WeightSource("lm_head.weight")]]
-        if name == "embed.weight":
-            return [[WeightSource("model.embed_tokens.weight")]]
-        if name == "final_norm.weight":
-            return [[WeightSource("model.final_layernorm.weight")]]
-        match = LAYER_NAME.fullmatch(name)
-        assert match is not None, name
-        index, part, rest = int(match[1]) // 3, int(match[1]) % 3, match[2]
+        own = model_sources(
+            name, embed="model.embed_tokens.weight", final_norm="model.final_layernorm.weight"
+        )
+        if own is not None:
+            return own
+        index, part, rest = split_layer_name(name, 3)
         layer = f"model.layers.{index}"
         if rest == "norm.weight":
             norm = "pre_ff_layernorm" if part == 2 else "input_layernorm"

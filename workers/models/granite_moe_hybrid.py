@@ -12,13 +12,14 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     attention_spec,
     mamba_key,
+    model_sources,
     single,
+    split_layer_name,
 )
 from hybridserve.workers.models.bamba import (
     interleave,
     mamba_spec,
     mixer_kinds,
-    split_layer_name,
 )
 from hybridserve.workers.models.config import ConfigReader, HybridModelConfig, MLPSpec, MoESpec
 
@@ -104,12 +105,9 @@ class GraniteMoeHybridAdapter:
         )
 
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
-        if name == "embed.weight":
-            return single("model.embed_tokens.weight")
-        if name == "final_norm.weight":
-            return single("model.norm.weight")
-        if name == "lm_head":
-            return single("lm_head.weight")
+        own = model_sources(name, embed="model.embed_tokens.weight", final_norm="model.norm.weight")
+        if own is not None:
+            return own
         index, is_ffn, rest = split_layer_name(name)
         layer = f"model.layers.{index}"
         if rest == "norm.weight":

@@ -17,12 +17,13 @@ per-expert bias (chosen by score + bias, weighted by score, renormalised with ep
 from __future__ import annotations
 
 from hybridserve.workers.models.adapter import (
-    LAYER_NAME,
     Alternatives,
     ModelFamily,
     WeightSource,
     attention_spec,
+    model_sources,
     single,
+    split_layer_name,
     stacked_experts,
 )
 from hybridserve.workers.models.config import (
@@ -124,12 +125,8 @@ class Lfm2Adapter:
     def _mixers(reader: ConfigReader) -> list[LayerKind]:
         layers = reader.int("num_hidden_layers")
         if reader.has("layer_types"):
-            kinds = parse_layer_names(reader, "layer_types", {"short_conv", "attention"}, _MIXERS)
-            if len(kinds) != layers:
-                raise reader.error(
-                    "layer_types", f"lists {len(kinds)} layers but num_hidden_layers is {layers}"
-                )
-            return kinds
+            allowed: set[LayerKind] = {"short_conv", "attention"}
+            return parse_layer_names(reader, "layer_types", allowed, _MIXERS, counted=True)
         indices = reader.raw.get("full_attn_idxs")
         if indices is None:
             indices = list(range(layers))  # transformers' default: every layer attention
@@ -177,15 +174,12 @@ class Lfm2Adapter:
         )
 
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
-        if name == "lm_head":
-            return single("lm_head.weight")
-        if name == "embed.weight":
-            return single("model.embed_tokens.weight")
-        if name == "final_norm.weight":
-            return single("model.embedding_norm.weight")
-        match = LAYER_NAME.fullmatch(name)
-        assert match is not None, name
-        index, is_ffn, rest = int(match[1]) // 2, int(match[1]) % 2 == 1, match[2]
+        own = model_sources(
+            name, embed="model.embed_tokens.weight", final_norm="model.embedding_norm.weight"
+        )
+        if own is not None:
+            return own
+        index, is_ffn, rest = split_layer_name(name)
         layer = f"model.layers.{index}"
         if rest == "norm.weight":
             return single(f"{layer}.{'ffn_norm' if is_ffn else 'operator_norm'}.weight")

@@ -17,16 +17,17 @@ whole head unless `rope_parameters` sets `rope_theta` to null, as the released c
 from __future__ import annotations
 
 from hybridserve.workers.models.adapter import (
-    LAYER_NAME,
     Alternatives,
     ModelFamily,
     WeightSource,
     attention_spec,
+    gated_deltanet_spec,
+    model_sources,
     single,
+    split_layer_name,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
-    GatedDeltaNetSpec,
     HybridModelConfig,
     LayerKind,
     MLPSpec,
@@ -72,6 +73,7 @@ class OlmoHybridAdapter:
                 rope_partial=1.0 if has_rope else None,
             )
             attention = spec.model_copy(update={"qk_norm_eps": eps, "qk_norm_scope": "all_heads"})
+        neg_eigval = reader.bool("linear_allow_neg_eigval", True)
         post_norm = tuple(
             2 * i + j for i, kind in enumerate(mixers) if kind == "attention" for j in (0, 1)
         )
@@ -87,7 +89,11 @@ class OlmoHybridAdapter:
             eos_token_ids=reader.token_ids("eos_token_id"),
             pad_token_id=reader.raw.get("pad_token_id"),
             post_norm_layer_ids=post_norm,
-            gdn=self._gdn(reader) if "gdn" in mixers else None,
+            gdn=(
+                gated_deltanet_spec(reader, _GATED_NORM_EPS, 2.0 if neg_eigval else 1.0)
+                if "gdn" in mixers
+                else None
+            ),
             attention=attention,
             mlp=MLPSpec(
                 intermediate_size=reader.int("intermediate_size"),
@@ -99,44 +105,13 @@ class OlmoHybridAdapter:
 
     @staticmethod
     def _mixers(reader: ConfigReader) -> list[LayerKind]:
-        kinds = parse_layer_names(reader, "layer_types", {"gdn", "attention"}, _MIXERS)
-        if reader.has("num_hidden_layers") and reader.int("num_hidden_layers") != len(kinds):
-            raise reader.error(
-                "layer_types",
-                f"lists {len(kinds)} layers but num_hidden_layers is "
-                f"{reader.raw['num_hidden_layers']}",
-            )
-        return kinds
-
-    @staticmethod
-    def _gdn(reader: ConfigReader) -> GatedDeltaNetSpec:
-        spec = GatedDeltaNetSpec(
-            num_key_heads=reader.int("linear_num_key_heads"),
-            num_value_heads=reader.int("linear_num_value_heads"),
-            key_head_dim=reader.int("linear_key_head_dim"),
-            value_head_dim=reader.int("linear_value_head_dim"),
-            conv_kernel=reader.int("linear_conv_kernel_dim", 4, minimum=2),
-            norm_eps=_GATED_NORM_EPS,
-            beta_scale=2.0 if reader.bool("linear_allow_neg_eigval", True) else 1.0,
-        )
-        if spec.num_value_heads % spec.num_key_heads:
-            raise reader.error(
-                "linear_num_value_heads",
-                f"{spec.num_value_heads} is not a multiple of linear_num_key_heads="
-                f"{spec.num_key_heads}",
-            )
-        return spec
+        return parse_layer_names(reader, "layer_types", {"gdn", "attention"}, _MIXERS, counted=True)
 
     def weight_sources(self, config: HybridModelConfig, name: str) -> Alternatives:
-        if name == "lm_head":
-            return single("lm_head.weight")
-        if name == "embed.weight":
-            return single("model.embed_tokens.weight")
-        if name == "final_norm.weight":
-            return single("model.norm.weight")
-        match = LAYER_NAME.fullmatch(name)
-        assert match is not None, name
-        index, is_mlp, rest = int(match[1]) // 2, int(match[1]) % 2 == 1, match[2]
+        own = model_sources(name, embed="model.embed_tokens.weight", final_norm="model.norm.weight")
+        if own is not None:
+            return own
+        index, is_mlp, rest = split_layer_name(name)
         layer = f"model.layers.{index}"
         mixer = config.layer_kinds[2 * index]
         if rest == "norm.weight":

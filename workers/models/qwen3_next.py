@@ -32,6 +32,7 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     WeightSource,
     attention_spec,
+    gated_deltanet_spec,
     single,
 )
 from hybridserve.workers.models.config import (
@@ -119,7 +120,7 @@ class Qwen3NextAdapter:
             eos_token_ids=text.token_ids("eos_token_id") or reader.token_ids("eos_token_id"),
             pad_token_id=text.raw.get("pad_token_id"),
             zero_centred_norms=True,
-            gdn=self._gdn(text, eps) if "gdn" in mixers else None,
+            gdn=gated_deltanet_spec(text, eps) if "gdn" in mixers else None,
             attention=attention,
             mlp=(
                 MLPSpec(
@@ -139,14 +140,9 @@ class Qwen3NextAdapter:
     @staticmethod
     def _mixers(reader: ConfigReader) -> list[LayerKind]:
         if reader.has("layer_types"):
-            kinds = parse_layer_names(reader, "layer_types", {"gdn", "attention"}, _MIXERS)
-            if reader.has("num_hidden_layers") and reader.int("num_hidden_layers") != len(kinds):
-                raise reader.error(
-                    "layer_types",
-                    f"lists {len(kinds)} layers but num_hidden_layers is "
-                    f"{reader.raw['num_hidden_layers']}",
-                )
-            return kinds
+            return parse_layer_names(
+                reader, "layer_types", {"gdn", "attention"}, _MIXERS, counted=True
+            )
         interval = reader.int("full_attention_interval", 4)
         return [
             "attention" if (i + 1) % interval == 0 else "gdn"
@@ -168,24 +164,6 @@ class Qwen3NextAdapter:
         return [
             "moe" if i not in mlp_only and (i + 1) % step == 0 else "mlp" for i in range(num_layers)
         ]
-
-    @staticmethod
-    def _gdn(reader: ConfigReader, eps: float) -> GatedDeltaNetSpec:
-        spec = GatedDeltaNetSpec(
-            num_key_heads=reader.int("linear_num_key_heads"),
-            num_value_heads=reader.int("linear_num_value_heads"),
-            key_head_dim=reader.int("linear_key_head_dim"),
-            value_head_dim=reader.int("linear_value_head_dim"),
-            conv_kernel=reader.int("linear_conv_kernel_dim", 4, minimum=2),
-            norm_eps=eps,
-        )
-        if spec.num_value_heads % spec.num_key_heads:
-            raise reader.error(
-                "linear_num_value_heads",
-                f"{spec.num_value_heads} is not a multiple of linear_num_key_heads="
-                f"{spec.num_key_heads}",
-            )
-        return spec
 
     @staticmethod
     def _moe(reader: ConfigReader, model_type: str) -> MoESpec:

@@ -308,7 +308,7 @@ def test_bamba_rejects_moe_layer_names():
 def test_bamba_mamba_head_geometry_is_checked():
     error = config_error(bamba(mamba_d_head=8))
     assert error.field == "mamba_d_head"
-    assert "mamba_n_heads (8) * mamba_d_head (8) must equal mamba_expand * hidden_size (128)" in (
+    assert "mamba_n_heads (8) * mamba_d_head (8) must equal the Mamba inner size (128" in (
         str(error)
     )
 
