@@ -289,11 +289,11 @@ ARCHITECTURES = tuple(BUILDERS)
 # Falcon-H1's Mamba2 norm before its gate).
 FORM_ONLY = ("qwen3_5_vl", "olmo_hybrid_rope", "falcon_h1_norm")
 FAMILIES = tuple(arch for arch in ARCHITECTURES if arch not in FORM_ONLY)
-# One family per recurrent kind, for suites of a forward path rather than of a family (the
-# compiled graph): the kinds' kernels are the graph's custom operators, while the features of
-# the other families (norm placement, parallel sublayers) are plain torch in the same graph.
-# Mamba2 + MoE, Gated DeltaNet + gated attention + MoE, short convolutions.
-PATH_REPRESENTATIVES = ("nemotron_h", "qwen3_next", "lfm2")
+# The checkpoints that cover every custom operator of the model's graph, for suites of a
+# forward path rather than of a family (the compiled graph): Mamba2's conv and scan, Gated
+# DeltaNet's, attention and MoE routing. The other families' features (norm placement,
+# parallel sublayers, LFM2's conv, which is Mamba2's conv operator) are plain torch between them.
+PATH_REPRESENTATIVES = ("nemotron_h", "qwen3_next")
 
 
 def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:

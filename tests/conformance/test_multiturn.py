@@ -64,9 +64,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     | SPECULATIVE,
 }
 # At tensor_parallel_size 2: one configuration per architecture, each stressing another path.
-# The families added since (OLMo-Hybrid, LFM2) reuse the same state machinery through new
-# layers only: their TP 2 runs are against transformers (tests/workers/executors/
-# test_tensor_parallel.py), which keeps the suite in CI's budget.
+# The families added since (OLMo-Hybrid, LFM2, Falcon-H1) reuse the same state machinery
+# through new layers only: their TP 2 runs are against transformers (tests/workers/executors/
+# test_tensor_parallel.py), as the block-FP8 checkpoint's are against its dequantised weights
+# (tests/workers/models/test_fp8.py); this keeps the suite in CI's budget.
 TP_CONFIGS = {
     "nemotron_h": "eviction",
     "bamba": "interval-and-save-last",
@@ -74,7 +75,6 @@ TP_CONFIGS = {
     "qwen3_next": "eviction",
     "qwen3_5": "budget-below-interval",
     "qwen3_5_moe": "save-last-only",
-    "qwen3_next-fp8": "partial-reuse-off",
     "qwen3_5-fp8_kv": "eviction",
     "given": "interval-and-save-last",
 }

@@ -78,14 +78,25 @@ def spawn(*args: str) -> subprocess.Popen:
 
 
 # The Qwen3.5 image-text checkpoint holds the text model's state: the text one covers it.
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp(request.param)
     make_hf_model(request.param).save_pretrained(folder)
     return str(folder)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+# Every family over both backends; the families that run P/D through HTTP over one backend
+# (tests/cluster/test_disaggregated_tp.py) run the other one here.
+OTHER_BACKEND = {"olmo_hybrid": "tcp", "lfm2": "tcp", "lfm2_moe": "nixl", "falcon_h1": "tcp"}
+RUNS = [
+    (family, backend)
+    for family in FAMILIES
+    for backend in ("tcp", "nixl")
+    if OTHER_BACKEND.get(family, backend) == backend
+]
+
+
+@pytest.mark.parametrize(("checkpoint", "backend"), RUNS, indirect=["checkpoint"])
 def test_disaggregated_tokens_equal_colocated(checkpoint, backend):
     batches = make_batches(vocab=128)
     expected = colocated(checkpoint, batches)
