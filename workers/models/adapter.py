@@ -102,6 +102,22 @@ def mamba_key(prefix: str, param: str) -> str:
     return f"{prefix}.{MAMBA_RENAMES.get(param, param)}"
 
 
+def gate_and_up(
+    gate: str,
+    up: str,
+    size: int,
+    expert: int | None = None,
+    gate_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[WeightSource]:
+    """A gated MLP's fused [gate | up] rows (`size` each) from the checkpoint's two tensors,
+    as expert `expert`'s where given."""
+    lead: tuple[int, ...] = () if expert is None else (expert,)
+    return [
+        WeightSource(gate, (*lead, slice(0, size)), gate_transform),
+        WeightSource(up, (*lead, slice(size, 2 * size))),
+    ]
+
+
 def stacked_experts(prefix: str, fused: str, per_expert: str, num_experts: int) -> Alternatives:
     """Routed experts stored either as one 3-D tensor or as one 2-D tensor per expert."""
     return [

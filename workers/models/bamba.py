@@ -9,9 +9,9 @@ from __future__ import annotations
 from hybridserve.workers.models.adapter import (
     Alternatives,
     ModelFamily,
-    WeightSource,
     attention_spec,
     check_mamba,
+    gate_and_up,
     mamba_key,
     model_sources,
     single,
@@ -150,14 +150,8 @@ class BambaAdapter:
             if param.startswith("gate_up_proj."):
                 assert config.mlp is not None
                 size, suffix = config.mlp.intermediate_size, param.removeprefix("gate_up_proj.")
-                return [
-                    [
-                        WeightSource(f"{layer}.feed_forward.gate_proj.{suffix}", slice(0, size)),
-                        WeightSource(
-                            f"{layer}.feed_forward.up_proj.{suffix}", slice(size, 2 * size)
-                        ),
-                    ]
-                ]
+                ffn = f"{layer}.feed_forward"
+                return [gate_and_up(f"{ffn}.gate_proj.{suffix}", f"{ffn}.up_proj.{suffix}", size)]
             return single(f"{layer}.feed_forward.{param}")
         if config.layer_kinds[2 * index] == "mamba2":
             return single(mamba_key(f"{layer}.mamba", param))

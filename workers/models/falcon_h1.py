@@ -31,6 +31,7 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     WeightSource,
     attention_spec,
+    gate_and_up,
     model_sources,
     split_layer_name,
 )
@@ -136,13 +137,11 @@ class FalconH1Adapter:
             assert config.mlp is not None
             size, kind = config.mlp.intermediate_size, param.rsplit(".", 1)[1]
             gate = config.weight_multipliers["mlp_gate"]
+            ffn = f"{layer}.feed_forward"
             return [
-                [
-                    WeightSource(
-                        f"{layer}.feed_forward.gate_proj.{kind}", slice(0, size), _times(gate)
-                    ),
-                    WeightSource(f"{layer}.feed_forward.up_proj.{kind}", slice(size, 2 * size)),
-                ]
+                gate_and_up(
+                    f"{ffn}.gate_proj.{kind}", f"{ffn}.up_proj.{kind}", size, None, _times(gate)
+                )
             ]
         else:
             key = f"{layer}.feed_forward.{param}"

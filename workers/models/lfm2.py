@@ -21,6 +21,7 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     WeightSource,
     attention_spec,
+    gate_and_up,
     model_sources,
     single,
     split_layer_name,
@@ -196,12 +197,7 @@ class Lfm2Adapter:
         if param == "gate_up_proj.weight":
             assert config.mlp is not None
             size = config.mlp.intermediate_size
-            return [
-                [
-                    WeightSource(f"{ffn}.w1.weight", slice(0, size)),
-                    WeightSource(f"{ffn}.w3.weight", slice(size, 2 * size)),
-                ]
-            ]
+            return [gate_and_up(f"{ffn}.w1.weight", f"{ffn}.w3.weight", size)]
         if param == "down_proj.weight":
             return single(f"{ffn}.w2.weight")
         moe = config.moe
@@ -215,9 +211,8 @@ class Lfm2Adapter:
             per_expert = [
                 s
                 for e in range(moe.num_experts)
-                for s in (
-                    WeightSource(f"{ffn}.experts.{e}.w1.weight", (e, slice(0, size))),
-                    WeightSource(f"{ffn}.experts.{e}.w3.weight", (e, slice(size, 2 * size))),
+                for s in gate_and_up(
+                    f"{ffn}.experts.{e}.w1.weight", f"{ffn}.experts.{e}.w3.weight", size, e
                 )
             ]
             return [[WeightSource(f"{ffn}.experts.gate_up_proj")], per_expert]

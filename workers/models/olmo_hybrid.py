@@ -21,6 +21,7 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     WeightSource,
     attention_spec,
+    gate_and_up,
     gated_deltanet_spec,
     model_sources,
     single,
@@ -129,10 +130,9 @@ class OlmoHybridAdapter:
                 assert config.mlp is not None
                 size = config.mlp.intermediate_size
                 return [
-                    [
-                        WeightSource(f"{layer}.mlp.gate_proj.weight", slice(0, size)),
-                        WeightSource(f"{layer}.mlp.up_proj.weight", slice(size, 2 * size)),
-                    ]
+                    gate_and_up(
+                        f"{layer}.mlp.gate_proj.weight", f"{layer}.mlp.up_proj.weight", size
+                    )
                 ]
             return single(f"{layer}.mlp.{param}")
         if mixer == "attention":

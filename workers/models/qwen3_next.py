@@ -21,7 +21,6 @@ Their multimodal RoPE, with every token's three position ids equal (text), is pl
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
@@ -32,6 +31,7 @@ from hybridserve.workers.models.adapter import (
     ModelFamily,
     WeightSource,
     attention_spec,
+    gate_and_up,
     gated_deltanet_spec,
     single,
 )
@@ -269,12 +269,8 @@ class Qwen3NextAdapter:
 
     @staticmethod
     def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
-        def gate_up(owner: str, size: int, index: Any = ()) -> list[WeightSource]:
-            prefix = index if isinstance(index, tuple) else (index,)
-            return [
-                WeightSource(f"{owner}.gate_proj.weight", (*prefix, slice(0, size))),
-                WeightSource(f"{owner}.up_proj.weight", (*prefix, slice(size, 2 * size))),
-            ]
+        def gate_up(owner: str, size: int, expert: int | None = None) -> list[WeightSource]:
+            return gate_and_up(f"{owner}.gate_proj.weight", f"{owner}.up_proj.weight", size, expert)
 
         if param == "gate_up_proj.weight":  # a dense layer's MLP
             assert config.mlp is not None

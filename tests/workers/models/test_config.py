@@ -8,11 +8,8 @@ from typing import Any
 
 import pytest
 
-from hybridserve.workers.models.config import ConfigError, ConfigReader, HybridModelConfig
-from hybridserve.workers.models.registry import get_adapter
 from hybridserve.workers.models.tiny import TINY_CONFIG
-
-FILE = "ckpt/config.json"
+from tests.workers.models.configs import FILE, config_error, parse
 
 NEMOTRON_MOE = {
     "n_routed_experts": 4,
@@ -20,10 +17,6 @@ NEMOTRON_MOE = {
     "moe_intermediate_size": 64,
     "moe_shared_expert_intermediate_size": 96,
 }
-
-
-def parse(raw: dict[str, Any]) -> HybridModelConfig:
-    return get_adapter(raw.get("model_type"), FILE).parse_config(ConfigReader(raw, FILE))
 
 
 def nemotron(**changes: Any) -> dict[str, Any]:
@@ -75,12 +68,6 @@ def granite(**changes: Any) -> dict[str, Any]:
         attention_multiplier=0.25,
     ).to_dict()
     return {k: v for k, v in (raw | changes).items() if v is not _DROP}
-
-
-def config_error(raw: dict[str, Any]) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        parse(raw)
-    return info.value
 
 
 # ---- NemotronH ----------------------------------------------------------------------------
@@ -377,209 +364,6 @@ def test_unsupported_model_type_lists_the_supported_ones(model_type):
         "(supported: bamba, falcon_h1, granitemoehybrid, lfm2, lfm2_moe, nemotron_h, olmo_hybrid, "
         "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
     )
-
-
-# ---- Gated DeltaNet (Qwen3-Next, Qwen3.5) -------------------------------------------------
-
-
-def qwen(model_type: str = "qwen3_5_text", **changes: Any) -> dict[str, Any]:
-    return {
-        "model_type": model_type,
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 96,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 6,
-        "linear_key_head_dim": 12,
-        "linear_value_head_dim": 10,
-        "rms_norm_eps": 1e-6,
-    } | changes
-
-
-def test_a_qwen3_5_config_parses_to_gdn_and_gated_attention_sublayers():
-    config = parse(qwen())
-    # No layer_types: every fourth layer is full attention (full_attention_interval 4).
-    assert config.layer_kinds == ("gdn", "mlp") * 3 + ("attention", "mlp")
-    assert config.zero_centred_norms and config.recurrent_kind == "gdn"
-    assert config.attention is not None and config.attention.output_gate
-    assert config.attention.qk_norm_eps == 1e-6
-    assert config.attention.rope is not None and config.attention.rope.rotary_dim == 4  # 0.25
-    gdn = config.gdn
-    assert gdn is not None and (gdn.key_dim, gdn.value_dim, gdn.conv_dim) == (24, 60, 108)
-    conv, recurrent = config.recurrent_state.tensors  # type: ignore[union-attr]
-    assert [(s.size, s.units) for s in conv.sections] == [(24, 2), (24, 2), (60, 6)]
-    assert conv.local_shape(2) == (12 + 12 + 30, 3) and recurrent.local_shape(2) == (3, 12, 10)
-    assert conv.role == "conv" and recurrent.role == "recurrent"
-
-
-def test_qwen3_next_moe_layers_follow_sparse_step_and_mlp_only_layers():
-    raw = qwen(
-        "qwen3_next",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=12,
-        decoder_sparse_step=2,
-        mlp_only_layers=[3],
-        norm_topk_prob=False,
-    )
-    config = parse(raw)
-    assert config.layer_kinds[1::2] == ("mlp", "moe", "mlp", "mlp")
-    assert config.moe is not None and config.moe.shared_gate and not config.moe.norm_topk_prob
-
-
-def test_an_image_text_checkpoint_is_read_through_its_text_config():
-    raw = {"model_type": "qwen3_5", "text_config": qwen(), "vision_config": {"depth": 1}}
-    assert parse(raw).layer_kinds == parse(qwen()).layer_kinds
-    error = config_error({"model_type": "qwen3_5_moe"})
-    assert error.field == "text_config" and "expected an object, got None" in str(error)
-
-
-@pytest.mark.parametrize(
-    ("changes", "field", "message"),
-    [
-        ({"layer_types": ["linear_attention", "mamba", "full_attention", "full_attention"]},
-         "layer_types",
-         "unknown layer type 'mamba' at index 1 (known: full_attention, linear_attention)"),
-        ({"linear_num_value_heads": 5}, "linear_num_value_heads",
-         "5 is not a multiple of linear_num_key_heads=2"),
-        ({"hidden_act": "gelu"}, "hidden_act", "must be silu for these models, got 'gelu'"),
-        ({"layer_types": ["full_attention"] * 3}, "layer_types",
-         "lists 3 layers but num_hidden_layers is 4"),
-    ],
-)  # fmt: skip
-def test_a_bad_qwen_config_is_refused_naming_the_field(changes, field, message):
-    error = config_error(qwen(**changes))
-    assert error.field == field and message in str(error)
-
-
-# ---- OLMo-Hybrid ---------------------------------------------------------------------------
-
-
-def olmo(**changes: Any) -> dict[str, Any]:
-    layers = ["linear_attention", "full_attention", "linear_attention"]
-    return qwen("olmo_hybrid", num_hidden_layers=3, layer_types=layers) | changes
-
-
-def test_an_olmo_hybrid_config_parses_to_post_norm_attention_and_a_doubled_beta():
-    config = parse(olmo(rope_parameters={"rope_type": "default", "rope_theta": None}))
-    assert config.layer_kinds == ("gdn", "mlp", "attention", "mlp", "gdn", "mlp")
-    assert config.post_norm_layer_ids == (2, 3)  # the attention layer's two sublayers
-    attention = config.attention
-    assert attention is not None and attention.rope is None and not attention.output_gate
-    assert (attention.qk_norm_eps, attention.qk_norm_scope) == (1e-6, "all_heads")
-    assert config.gdn is not None and (config.gdn.beta_scale, config.gdn.norm_eps) == (2.0, 1e-5)
-    assert not config.zero_centred_norms
-
-
-@pytest.mark.parametrize(
-    ("changes", "rotary_dim", "beta_scale"),
-    [
-        ({}, 16, 2.0),  # no rope_parameters: transformers' default RoPE, over the whole head
-        ({"rope_parameters": {"rope_theta": 5e5}, "linear_allow_neg_eigval": False}, 16, 1.0),
-    ],
-)
-def test_olmo_hybrid_rope_and_beta_follow_the_config(changes, rotary_dim, beta_scale):
-    config = parse(olmo(**changes))
-    assert config.attention is not None and config.attention.rope is not None
-    assert config.attention.rope.rotary_dim == rotary_dim
-    assert config.gdn is not None and config.gdn.beta_scale == beta_scale
-
-
-@pytest.mark.parametrize(
-    ("changes", "field", "message"),
-    [
-        ({"linear_num_value_heads": 5}, "linear_num_value_heads",
-         "5 is not a multiple of linear_num_key_heads=2"),
-        ({"hidden_act": "gelu"}, "hidden_act", "must be silu (the MLP and the DeltaNet conv)"),
-        ({"num_hidden_layers": 4}, "layer_types", "lists 3 layers but num_hidden_layers is 4"),
-        ({"layer_types": None}, "layer_types", "expected a non-empty list of layer types"),
-        ({"linear_allow_neg_eigval": "yes"}, "linear_allow_neg_eigval",
-         "expected true or false"),
-    ],
-)  # fmt: skip
-def test_a_bad_olmo_hybrid_config_is_refused_naming_the_field(changes, field, message):
-    error = config_error(olmo(**changes))
-    assert error.field == field and message in str(error)
-
-
-# ---- LFM2, LFM2-MoE ------------------------------------------------------------------------
-
-
-def lfm2(model_type: str = "lfm2", **changes: Any) -> dict[str, Any]:
-    return {
-        "model_type": model_type,
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "layer_types": ["conv", "full_attention", "conv"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 96,
-        "norm_eps": 1e-5,
-    } | changes
-
-
-def test_an_lfm2_config_parses_to_short_convs_and_swiglu_ffns():
-    config = parse(lfm2())
-    assert config.layer_kinds == ("short_conv", "mlp", "attention", "mlp", "short_conv", "mlp")
-    assert config.short_conv is not None and config.short_conv.conv_kernel == 3
-    assert config.tie_word_embeddings  # LFM2's default
-    (conv,) = config.recurrent_state.tensors  # type: ignore[union-attr]
-    assert (conv.name, conv.role, conv.local_shape(2)) == ("conv", "conv", (32, 2))
-    attention = config.attention
-    assert attention is not None and attention.rope is not None
-    assert (attention.rope.rotary_dim, attention.qk_norm_scope) == (16, "head")
-
-
-@pytest.mark.parametrize(
-    ("changes", "ffn"),
-    [
-        ({}, 256),  # 2/3 of 96 = 64, rounded up to block_multiple_of 256
-        ({"block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5}, 96),  # 64 * 1.5
-        ({"block_ffn_dim_multiplier": None, "block_ff_dim": 30, "intermediate_size": None}, 20),
-        ({"block_auto_adjust_ff_dim": False}, 96),
-    ],
-)
-def test_lfm2_ffn_size_is_derived_as_transformers_derives_it(changes, ffn):
-    config = parse(lfm2(**changes))
-    assert config.mlp is not None and config.mlp.intermediate_size == ffn
-
-
-def test_lfm2_legacy_full_attn_idxs_and_tie_embedding():
-    raw = lfm2(layer_types=None, full_attn_idxs=[0], tie_embedding=False)
-    config = parse(raw)
-    assert config.layer_kinds[::2] == ("attention", "short_conv", "short_conv")
-    assert not config.tie_word_embeddings
-
-
-def test_lfm2_moe_dense_layers_then_experts_with_a_bias():
-    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
-    config = parse(lfm2("lfm2_moe", num_dense_layers=1, **moe))
-    assert config.layer_kinds[1::2] == ("mlp", "moe", "moe")
-    assert config.mlp is not None and config.mlp.intermediate_size == 96  # as given
-    assert config.moe is not None and config.moe.score_bias and config.moe.topk_norm_eps == 1e-6
-
-
-@pytest.mark.parametrize(
-    ("raw", "field", "message"),
-    [
-        (lfm2(num_hidden_layers=4), "layer_types", "lists 3 layers but num_hidden_layers is 4"),
-        (lfm2(layer_types=None, full_attn_idxs=[3]), "full_attn_idxs",
-         "expected layer indices below 3, got [3]"),
-        (lfm2(layer_types=["conv", "mamba", "conv"]), "layer_types",
-         "unknown layer type 'mamba' at index 1 (known: conv, full_attention)"),
-        (lfm2("lfm2_moe", num_experts=2, num_experts_per_tok=3, moe_intermediate_size=8),
-         "num_experts_per_tok", "3 is more than num_experts=2"),
-    ],
-)  # fmt: skip
-def test_a_bad_lfm2_config_is_refused_naming_the_field(raw, field, message):
-    error = config_error(raw)
-    assert error.field == field and message in str(error)
 
 
 # ---- Falcon-H1 -----------------------------------------------------------------------------
