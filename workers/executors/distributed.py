@@ -46,16 +46,27 @@ class Group:
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
+        # The latest collective's Work, kept until the next one replaces it. Whoever drops a
+        # Work last runs its destructor, which frees the tensors it holds and so needs the
+        # GIL. Left to gloo's worker thread, that can happen while the interpreter exits
+        # (a rank's last message is `stop`); a thread that asks for the GIL then is ended
+        # inside a C++ destructor, and the process aborts ("terminate called without an
+        # active exception"). Kept here, the Work dies in a Python thread.
+        self._latest: dist.Work | None = None
+
+    def _wait(self, work: dist.Work) -> None:
+        work.wait()
+        self._latest = work
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.pg.broadcast([tensor], options).wait()
+        self._wait(self.pg.broadcast([tensor], options))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        self.pg.allreduce([tensor], options).wait()
+        self._wait(self.pg.allreduce([tensor], options))
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (equal shapes) on rank 0; None elsewhere."""
@@ -64,7 +75,7 @@ class Group:
         parts = (
             [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
         )
-        self.pg.gather([parts] if parts is not None else [], [tensor], options).wait()
+        self._wait(self.pg.gather([parts] if parts is not None else [], [tensor], options))
         return parts
 
 
