@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hybridserve.cluster.config import API_KEYS_ENV, ServiceConfig
+from hybridserve.cluster.openai.tool_parsers import FORMATS
 from hybridserve.cluster.routing.router import Policy
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.sampling_params import SamplingParams
@@ -324,8 +325,8 @@ def add_service_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser",
         default="auto",
-        help="hermes, qwen3_coder, nemotron_json; auto: read from the chat template; none: "
-        "tools refused (default: auto)",
+        help=f"{', '.join(FORMATS)}; auto: read from the chat template; none: tools refused "
+        "(default: auto)",
     )
     group.add_argument(
         "--enable-auto-tool-choice",

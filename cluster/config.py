@@ -120,8 +120,8 @@ class ServiceConfig(BaseModel):
     )
     tool_call_parser: str = Field(
         "auto",
-        description="how tool calls are read from the output: hermes, qwen3_coder, "
-        "nemotron_json; 'auto': the one format the chat template writes; 'none': tools refused",
+        description=f"how tool calls are read from the output: {', '.join(FORMATS)}; 'auto': "
+        "the one format the chat template writes; 'none': tools refused",
     )
     enable_auto_tool_choice: bool = Field(
         True, description="whether tool_choice 'auto' (the default with tools) is served"

@@ -19,6 +19,7 @@ from hybridserve.kernels.operators import (
     attention_decode_pooled,
     conv_update_pooled,
     gated_delta_update_pooled,
+    mamba1_update_pooled,
     packed_linear,
     register_packed,
     state_update_pooled,
@@ -33,6 +34,8 @@ gated_delta_step = dispatched("gated_delta_step")
 gated_rms_norm = dispatched("gated_rms_norm")
 fp8_linear = dispatched("fp8_linear")
 linear = dispatched("linear")
+mamba1_scan = dispatched("mamba1_scan")
+mamba1_step = dispatched("mamba1_step")
 mamba_chunk_scan = dispatched("mamba_chunk_scan")
 paged_attention_decode = dispatched("paged_attention_decode")
 paged_attention_prefill = dispatched("paged_attention_prefill")
@@ -57,6 +60,9 @@ __all__ = [
     "gated_delta_update_pooled",
     "gated_rms_norm",
     "linear",
+    "mamba1_scan",
+    "mamba1_step",
+    "mamba1_update_pooled",
     "mamba_chunk_scan",
     "pack_weight",
     "packed_linear",

@@ -62,6 +62,14 @@ KERNELS: dict[str, Kernel] = {
     "causal_conv1d_update": Kernel(
         "reference.conv1d:causal_conv1d_update_ref", "triton.conv1d:causal_conv1d_update"
     ),
+    # Mamba1 (Jamba): prompt sequences (the scan, token by token) and decode rows. The conv
+    # before them is Mamba2's.
+    "mamba1_scan": Kernel(
+        "reference.mamba1:mamba1_scan_ref", "triton.mamba1:mamba1_scan", "cpu.mamba1:mamba1_scan"
+    ),
+    "mamba1_step": Kernel(
+        "reference.mamba1:mamba1_step_ref", "triton.mamba1:mamba1_step", "cpu.mamba1:mamba1_step"
+    ),
     # Gated DeltaNet: prompt chunks (the chunked delta rule) and decode rows (one step). The
     # short conv before them is Mamba2's (causal_conv1d, conv_update_pooled).
     "gated_delta_chunk": Kernel(
@@ -97,6 +105,7 @@ KERNELS: dict[str, Kernel] = {
     "conv_update_pooled": Kernel("operators:conv_update_reference", cpu="cpu.ops:conv_update_"),
     "state_update_pooled": Kernel("operators:ssm_update_reference", cpu="cpu.ops:ssm_update_"),
     "gated_delta_update_pooled": Kernel("operators:gated_delta_update_reference"),
+    "mamba1_update_pooled": Kernel("operators:mamba1_update_reference"),
     "store_kv_pooled": Kernel("operators:store_kv_reference", cpu="cpu.ops:store_kv_"),
     "attention_decode_pooled": Kernel(
         "operators:attention_decode_reference", cpu="cpu.ops:attention_decode"

@@ -5,6 +5,7 @@ kernels that read or write one layer of a state pool.
     hybridserve::conv_update_(conv_pool!, layer, x, weight, bias, slots, activation)
     hybridserve::ssm_update_(ssm_pool!, layer, x, dt, A, B, C, slots, D)      dt prepared
     hybridserve::gated_delta_update_(state_pool!, layer, q, k, v, g, beta, slots)
+    hybridserve::mamba1_update_(ssm_pool!, layer, x, dt, A, B, C, slots, D, dt_bias)
     hybridserve::store_kv_(kv_pool!, layer, key, value, slot_mapping)
     hybridserve::attention_decode(q, kv_pool, layer, block_tables, seq_lens, scale)
 
@@ -50,6 +51,10 @@ _LIBRARY.define(
     "Tensor g, Tensor beta, Tensor slots) -> Tensor"
 )
 _LIBRARY.define(
+    "mamba1_update_(Tensor(a!) ssm_pool, int layer, Tensor x, Tensor dt, Tensor A, Tensor B, "
+    "Tensor C, Tensor slots, Tensor? D, Tensor? dt_bias) -> Tensor"
+)
+_LIBRARY.define(
     "store_kv_(Tensor(a!) kv_pool, int layer, Tensor key, Tensor value, Tensor slot_mapping) -> ()"
 )
 _LIBRARY.define(
@@ -61,6 +66,7 @@ _linear = dispatched("linear")
 _causal_conv1d_update = dispatched("causal_conv1d_update")
 _selective_state_update = dispatched("selective_state_update")
 _gated_delta_step = dispatched("gated_delta_step")
+_mamba1_step = dispatched("mamba1_step")
 _store_kv = dispatched("store_kv")
 _paged_attention_decode = dispatched("paged_attention_decode")
 
@@ -203,6 +209,32 @@ def _gated_delta_update_shape(
     return v.new_empty(v.shape, dtype=torch.float32)
 
 
+@torch.library.impl(_LIBRARY, "mamba1_update_", "CompositeExplicitAutograd")
+def mamba1_update_reference(
+    ssm_pool: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    slots: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    out = _mamba1_step(
+        ssm_pool.select(1, layer), x, dt, A, B, C, state_slots=slots, D=D, dt_bias=dt_bias
+    )
+    return out.float()
+
+
+@torch.library.register_fake("hybridserve::mamba1_update_")
+def _mamba1_update_shape(
+    ssm_pool: torch.Tensor, layer: int, x: torch.Tensor, *rest: object
+) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 @torch.library.impl(_LIBRARY, "store_kv_", "CompositeExplicitAutograd")
 def store_kv_reference(
     kv_pool: torch.Tensor,
@@ -311,6 +343,28 @@ def gated_delta_update_pooled(
         state_pool, layer, q, k, v, g, beta, state_slots
     )
     return out.to(v.dtype)
+
+
+def mamba1_update_pooled(
+    ssm_pool: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    state_slots: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One decode step of the Mamba1 selective scan per row. ssm_pool: (num_slots,
+    num_layers, D, N), updated in place at (state_slots, layer); x, dt: (Bt, D), dt raw;
+    A: (D, N); B, C: (Bt, N). Returns (Bt, D) in x.dtype."""
+    y = torch.ops.hybridserve.mamba1_update_(
+        ssm_pool, layer, x, dt, A, B, C, state_slots, D, dt_bias
+    )
+    return y.to(x.dtype)
 
 
 def store_kv_pooled(

@@ -257,6 +257,58 @@ def _falcon_h1(**overrides: Any) -> Any:
     return FalconH1ForCausalLM(FalconH1Config(**(shapes | overrides)))
 
 
+def _jamba(**overrides: Any) -> Any:
+    """Mamba1, attention, Mamba1; the attention layer's FFN routed (4 experts, top 2)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    shapes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "attn_layer_period": 3,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 3,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 12,
+    }
+    return JambaForCausalLM(JambaConfig(**(shapes | overrides)))
+
+
+def _zamba2(**overrides: Any) -> Any:
+    """Three invocations of two shared blocks (the third runs the first block again), with
+    attention adapters; RoPE in the shared attention."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    shapes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 5,
+        "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 96,
+        "n_mamba_heads": 8,
+        "mamba_d_state": 16,
+        "mamba_ngroups": 2,
+        "chunk_size": 16,
+        "num_mem_blocks": 2,
+        "use_shared_attention_adapter": True,
+        "adapter_rank": 8,
+        "use_mem_rope": True,
+    }
+    # transformers shares the blocks only with tied embeddings (as the published checkpoints
+    # are); untied, each invocation would run a block of its own. Initial weights half the
+    # usual: at 0.2 the shared attention's scores saturate, and transformers' own float32
+    # log-probabilities stray 2e-3 from float64 (1e-5 at 0.1).
+    forced = {"tie_word_embeddings": True, "initializer_range": 0.1}
+    return Zamba2ForCausalLM(Zamba2Config(**(shapes | overrides | forced)))
+
+
 BUILDERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
@@ -279,6 +331,8 @@ BUILDERS = {
         mlp_bias=True,
         **overrides,
     ),
+    "jamba": _jamba,
+    "zamba2": _zamba2,
 }
 MAMBA2_ARCHITECTURES = ("nemotron_h", "bamba", "granitemoehybrid")
 GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid")
@@ -314,6 +368,9 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
                 # dt = softplus(dt_bias + ...) spread over [0.01, 0.2]: a well-conditioned scan.
                 dt = 0.01 + 0.19 * torch.rand(module.dt_bias.shape, generator=generator)
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if getattr(module, "A_log", None) is not None and module.A_log.dim() == 2:
+                # Mamba1 initialises every channel's decays alike: make them differ.
+                module.A_log.add_(0.2 * torch.randn(module.A_log.shape, generator=generator))
     return model
 
 

@@ -69,7 +69,7 @@ class PeerLayout:
     model_id: str  # a digest of the model's config (same weights assumed)
     tp_size: int
     tp_rank: int
-    layer_kinds: tuple[str, ...]  # every sublayer: mamba2 / gdn / attention / mlp / moe
+    layer_kinds: tuple[str, ...]  # every sublayer's kind (workers/models/config.py LayerKind)
     # Attention (kv_heads_per_layer holds 0 for non-attention layers, the HF convention).
     kv_heads_per_layer: tuple[int, ...]
     num_kv_heads: int  # the model's, across ranks

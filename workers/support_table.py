@@ -26,6 +26,7 @@ END = "<!-- end of support table -->"
 Variant = tuple[str, HybridModelConfig]
 STATE_NAMES: dict[LayerKind, str] = {
     "mamba2": "Mamba2",
+    "mamba1": "Mamba1",
     "gdn": "Gated DeltaNet",
     "short_conv": "short conv",
 }

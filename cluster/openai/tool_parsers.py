@@ -8,6 +8,7 @@ A format is a pair of markers around one call block and the reading of what is i
     qwen3_coder   <tool_call><function=NAME><parameter=P>value</parameter>   Qwen3.5, Qwen3-Coder
                   </function></tool_call>
     nemotron_json <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>   Nemotron-H
+    jamba         <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>   Jamba 1.5+
     lfm2          <|tool_call_start|>[name(key="value", n=1), ...]<|tool_call_end|>   LFM2
     olmo3         <function_calls>name(key="value")\nother(n=1)</function_calls>     OLMo 3,
                                                                              OLMo-Hybrid
@@ -120,6 +121,21 @@ class HermesFormat(ToolCallFormat):
 class NemotronJsonFormat(ToolCallFormat):
     name = "nemotron_json"
     start, end = "<TOOLCALL>", "</TOOLCALL>"
+
+    @classmethod
+    def writes(cls, template: str) -> bool:
+        return cls.start in template
+
+    def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
+        value = _load_json(block.strip())
+        return _json_calls(value) if isinstance(value, list) else None
+
+
+class JambaFormat(ToolCallFormat):
+    """Jamba 1.5 and later: one JSON list of calls."""
+
+    name = "jamba"
+    start, end = "<tool_calls>", "</tool_calls>"
 
     @classmethod
     def writes(cls, template: str) -> bool:
@@ -256,7 +272,15 @@ def _literal(node: ast.expr) -> Any:
 
 
 FORMATS: dict[str, type[ToolCallFormat]] = {
-    f.name: f for f in (HermesFormat, Qwen3CoderFormat, NemotronJsonFormat, Lfm2Format, Olmo3Format)
+    f.name: f
+    for f in (
+        HermesFormat,
+        Qwen3CoderFormat,
+        NemotronJsonFormat,
+        JambaFormat,
+        Lfm2Format,
+        Olmo3Format,
+    )
 }
 
 

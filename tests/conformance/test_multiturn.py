@@ -1,7 +1,7 @@
 """Conformance: multi-turn reuse gives exactly the tokens of a run without reuse.
 
 The workload is a repeat-shuffle task in token space (docs/snapshot-reuse.md explains the reuse
-it exercises): 12 conversations x 4 turns over 3 shared system prompts. Turn k's prompt = system
+it exercises): 9 conversations x 4 turns over 3 shared system prompts. Turn k's prompt = system
 prompt + earlier turns (user message + the model's own answer) + a new user message; its "base"
 is the same without the new message. Transcripts come from a run with prefix caching off; then,
 for each caching configuration, the turns are replayed in a shuffled order, each base warmed
@@ -32,7 +32,7 @@ from hybridserve.workers import LLM, SamplingParams
 from tests.fp8 import write_pair
 from tests.helpers import FAMILIES, assert_pools_at_baseline, make_hf_model, random_prompts
 
-NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 12, 4, 12
+NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 9, 4, 12
 GREEDY = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
 WARM = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 COMMON = {"block_size": 16, "max_num_seqs": 8}
@@ -64,9 +64,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     | SPECULATIVE,
 }
 # At tensor_parallel_size 2: one configuration per architecture, each stressing another path.
-# The families added since (OLMo-Hybrid, LFM2, Falcon-H1) reuse the same state machinery
-# through new layers only: their TP 2 runs are against transformers (tests/workers/executors/
-# test_tensor_parallel.py), as the block-FP8 checkpoint's are against its dequantised weights
+# The families added since (OLMo-Hybrid, LFM2, Falcon-H1, Jamba, Zamba2) reuse the same state
+# machinery through new layers only: their TP 2 runs are against transformers
+# (tests/workers/executors/test_tensor_parallel.py), as the block-FP8 checkpoint's are against
+# its dequantised weights
 # (tests/workers/models/test_fp8.py); this keeps the suite in CI's budget.
 TP_CONFIGS = {
     "nemotron_h": "eviction",

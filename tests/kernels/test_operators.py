@@ -12,6 +12,7 @@ import torch
 from hybridserve.kernels import build_cpu_operators, operators
 from hybridserve.kernels.reference import (
     causal_conv1d_update_ref,
+    mamba1_step_ref,
     paged_attention_decode_ref,
     selective_state_update_ref,
     store_kv_ref,
@@ -127,3 +128,25 @@ def test_store_and_attention_decode_match_the_reference(implementation, dtype):
         stored = pool[block_tables[1, 1], LAYER, 0, 0, 1, :2].float()
         assert stored.tolist() == [448.0, -448.0]
     torch.testing.assert_close(out, expected.float(), **TOLERANCE.get(dtype, {}))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_mamba1_update_operator_matches_the_reference(dtype):
+    """No C++ of its own: torch.ops reaches its reference, which runs the dispatched step (the
+    C kernel on fp32 pools, the reference on bf16 ones) on the layer's view."""
+    torch.manual_seed(0)
+    channels, state = 6, 5
+    x, dt = torch.randn(len(SLOTS), channels).to(dtype), torch.randn(len(SLOTS), channels)
+    A = -torch.rand(channels, state)
+    B, C = torch.randn(len(SLOTS), state), torch.randn(len(SLOTS), state)
+    D, dt_bias = torch.randn(channels), torch.randn(channels)
+    pool = torch.randn(7, LAYERS, channels, state).to(dtype)
+    expected_pool = pool.clone()
+
+    out = torch.ops.hybridserve.mamba1_update_(pool, LAYER, x, dt, A, B, C, SLOTS, D, dt_bias)
+    expected = mamba1_step_ref(
+        expected_pool[:, LAYER], x, dt, A, B, C, state_slots=SLOTS, D=D, dt_bias=dt_bias
+    )
+
+    torch.testing.assert_close(out.to(dtype), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(pool, expected_pool, **TOLERANCE[dtype])

@@ -87,7 +87,14 @@ def checkpoint(request, tmp_path_factory) -> str:
 
 # Every family over both backends; the families that run P/D through HTTP over one backend
 # (tests/cluster/test_disaggregated_tp.py) run the other one here.
-OTHER_BACKEND = {"olmo_hybrid": "tcp", "lfm2": "tcp", "lfm2_moe": "nixl", "falcon_h1": "tcp"}
+OTHER_BACKEND = {
+    "olmo_hybrid": "tcp",
+    "lfm2": "tcp",
+    "lfm2_moe": "nixl",
+    "falcon_h1": "tcp",
+    "jamba": "nixl",
+    "zamba2": "tcp",
+}
 RUNS = [
     (family, backend)
     for family in FAMILIES

@@ -7,7 +7,7 @@ import hashlib
 from hybridserve.transceiver.layout import PeerLayout, StateTensorLayout
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.executors.parallel import local_kv_heads
-from hybridserve.workers.models.config import HybridModelConfig
+from hybridserve.workers.models.config import KV_KINDS, HybridModelConfig
 from hybridserve.workers.runner.precision import kv_cache_dtype, state_dtype
 
 
@@ -27,7 +27,7 @@ def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -
         tp_size=tp,
         tp_rank=rank,
         layer_kinds=layer_kinds,
-        kv_heads_per_layer=tuple(kv_heads if kind == "attention" else 0 for kind in layer_kinds),
+        kv_heads_per_layer=tuple(kv_heads if kind in KV_KINDS else 0 for kind in layer_kinds),
         num_kv_heads=attention.num_kv_heads if attention else 0,
         block_size=config.block_size,
         head_dim=attention.head_dim if attention else 0,

@@ -132,6 +132,12 @@ def check_tensor_parallel(
     if config.mamba2 is not None:
         divides("mamba num_heads", config.mamba2.num_heads)
         split_or_replicate("mamba n_groups", config.mamba2.n_groups)
+    if config.mamba1 is not None:
+        divides(
+            "mamba intermediate size (mamba_expand * hidden_size)", config.mamba1.intermediate_size
+        )
+    if config.short_conv is not None:
+        divides("hidden_size (short conv channels)", config.short_conv.channels)
     if config.gdn is not None:
         divides("linear_num_value_heads", config.gdn.num_value_heads)
         split_or_replicate("linear_num_key_heads", config.gdn.num_key_heads)

@@ -30,6 +30,7 @@ from hybridserve.workers.layers.linear import (
     RowParallelLinear,
     split_ranges,
 )
+from hybridserve.workers.layers.low_rank import QKVAdapters
 from hybridserve.workers.layers.norm import RMSNorm, SplitRMSNorm
 from hybridserve.workers.layers.rope import RotaryEmbedding
 from hybridserve.workers.models.config import AttentionSpec
@@ -63,9 +64,11 @@ class Attention(nn.Module):
         common = {"dtype": dtype, "device": device}
         self.output_gate = spec.output_gate
         q_rows = 2 * q_size if spec.output_gate else q_size  # whole heads per rank either way
-        self.q_proj = ColumnParallelLinear(
-            hidden_size, split_ranges([q_rows], parallel), spec.bias, **common
-        )
+        # q, k and v read the hidden state, or what the spec names instead (`input_size`).
+        self.input_size = in_size = spec.input_size or hidden_size
+        self.q_rows = split_ranges([q_rows], parallel)
+        self.kv_rows = [kv_rows]
+        self.q_proj = ColumnParallelLinear(in_size, self.q_rows, spec.bias, **common)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         eps = spec.qk_norm_eps
@@ -78,8 +81,8 @@ class Attention(nn.Module):
             norm = (eps, parallel, norm_dtype or dtype, device)
             self.q_norm = SplitRMSNorm(q_size, (parallel.tp_rank * q_local, q_local), 1, *norm)
             self.k_norm = SplitRMSNorm(kv_size, kv_rows, kv_replicas, *norm)
-        self.k_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
-        self.v_proj = ColumnParallelLinear(hidden_size, [kv_rows], spec.bias, **common)
+        self.k_proj = ColumnParallelLinear(in_size, self.kv_rows, spec.bias, **common)
+        self.v_proj = ColumnParallelLinear(in_size, self.kv_rows, spec.bias, **common)
         self.o_proj = RowParallelLinear(
             q_size, hidden_size, spec.bias, parallel, name="o_proj", **common
         )
@@ -87,15 +90,25 @@ class Attention(nn.Module):
             RotaryEmbedding(spec.rope, max_positions, device) if spec.rope is not None else None
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVLayer) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVLayer,
+        adapters: QKVAdapters | None = None,
+    ) -> torch.Tensor:
+        """`adapters`: low-rank terms added to q, k and v (a Zamba2 invocation's)."""
         num_tokens = hidden.shape[0]
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if adapters is not None:
+            q, k, v = q + adapters.q(hidden), k + adapters.k(hidden), v + adapters.v(hidden)
         gate = None
         if self.output_gate:
-            q, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, -1).chunk(2, dim=-1)
+            q, gate = q.view(num_tokens, self.num_heads, -1).chunk(2, dim=-1)
         else:
-            q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if isinstance(self.q_norm, SplitRMSNorm) and isinstance(self.k_norm, SplitRMSNorm):
             q = self.q_norm(q.reshape(num_tokens, -1)).view_as(q)
             k = self.k_norm(k.reshape(num_tokens, -1)).view_as(k)

@@ -26,14 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.kernels import (
-    causal_conv1d,
-    conv_update_pooled,
-    gated_delta_chunk,
-    gated_delta_update_pooled,
-    rms_norm,
-)
+from hybridserve.kernels import gated_delta_chunk, gated_delta_update_pooled, rms_norm
 from hybridserve.workers.executors.parallel import ParallelContext
+from hybridserve.workers.layers.causal_conv import causal_conv
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -116,45 +111,26 @@ class GatedDeltaNet(nn.Module):
                 v.reshape(rows, heads, value_head_dim),
             )
 
+        mixed = causal_conv(qkv, conv_weight, None, batch, state, activation="silu")
         nd = batch.num_decode
         outputs = []
         if nd:
-            slots = batch.state_slots[:nd]
-            mixed = conv_update_pooled(
-                qkv[:nd],
-                conv_weight,
-                None,
-                conv_pool=state.pools["conv"],
-                layer=state.layer,
-                state_slots=slots,
-                activation="silu",
-            )
             # Through (pool, layer): a step the compiled path traces writes the pool in place.
             outputs.append(
                 gated_delta_update_pooled(
                     state.pools["recurrent"],
                     state.layer,
-                    *heads_of(mixed),
+                    *heads_of(mixed[:nd]),
                     g[:nd],
                     beta[:nd],
-                    state_slots=slots,
+                    state_slots=batch.state_slots[:nd],
                 )
             )
         if num_tokens > nd:
             slots = batch.state_slots[nd:]
-            mixed = causal_conv1d(
-                qkv[nd:],
-                conv_weight,
-                None,
-                cu_seqlens=batch.prefill_cu_seqlens,
-                conv_states=state.views["conv"],
-                initial_state_slots=batch.prefill_initial_slots,
-                final_state_slots=slots,
-                activation="silu",
-            ).out
             outputs.append(
                 gated_delta_chunk(
-                    *heads_of(mixed),
+                    *heads_of(mixed[nd:]),
                     g[nd:],
                     beta[nd:],
                     cu_seqlens=batch.prefill_cu_seqlens,

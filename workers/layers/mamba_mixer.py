@@ -19,14 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.kernels import (
-    causal_conv1d,
-    conv_update_pooled,
-    gated_rms_norm,
-    mamba_chunk_scan,
-    state_update_pooled,
-)
+from hybridserve.kernels import gated_rms_norm, mamba_chunk_scan, state_update_pooled
 from hybridserve.workers.executors.parallel import ParallelContext
+from hybridserve.workers.layers.causal_conv import causal_conv
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -100,7 +95,7 @@ class MambaMixer(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, state: RecurrentLayer
     ) -> torch.Tensor:
         spec = self.spec
-        conv_states, ssm_states = state.views["conv"], state.views["ssm"]
+        ssm_states = state.views["ssm"]
         num_tokens = hidden.shape[0]
         heads, head_dim, groups, dstate = (
             self.num_heads,
@@ -120,22 +115,13 @@ class MambaMixer(nn.Module):
             "dt_limit": (spec.dt_min, spec.dt_max),
         }
         split = [self.intermediate, self.group_state, self.group_state]
+        conv_out = causal_conv(xbc, conv_weight, self.conv_bias, batch, state, spec.activation)
 
         nd = batch.num_decode
         outputs = []
         if nd:
             slots = batch.state_slots[:nd]
-            # Through (pool, layer): a step the compiled path traces writes the pools in place.
-            conv_out = conv_update_pooled(
-                xbc[:nd],
-                conv_weight,
-                self.conv_bias,
-                conv_pool=state.pools["conv"],
-                layer=state.layer,
-                state_slots=slots,
-                activation=spec.activation,
-            )
-            x, B, C = conv_out.split(split, dim=-1)
+            x, B, C = conv_out[:nd].split(split, dim=-1)
             step_args = (
                 x.view(nd, heads, head_dim),
                 dt[:nd],
@@ -143,6 +129,7 @@ class MambaMixer(nn.Module):
                 B.view(nd, groups, dstate),
                 C.view(nd, groups, dstate),
             )
+            # Through (pool, layer): a step the compiled path traces writes the pools in place.
             outputs.append(
                 state_update_pooled(
                     state.pools["ssm"], state.layer, *step_args, state_slots=slots, **scan_args
@@ -151,17 +138,7 @@ class MambaMixer(nn.Module):
         if num_tokens > nd:
             slots = batch.state_slots[nd:]
             num_prefill = num_tokens - nd
-            conv_out = causal_conv1d(
-                xbc[nd:],
-                conv_weight,
-                self.conv_bias,
-                cu_seqlens=batch.prefill_cu_seqlens,
-                conv_states=conv_states,
-                initial_state_slots=batch.prefill_initial_slots,
-                final_state_slots=slots,
-                activation=spec.activation,
-            ).out
-            x, B, C = conv_out.split(split, dim=-1)
+            x, B, C = conv_out[nd:].split(split, dim=-1)
             outputs.append(
                 mamba_chunk_scan(
                     x.reshape(num_prefill, heads, head_dim),

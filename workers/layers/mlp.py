@@ -12,6 +12,7 @@ from hybridserve.workers.layers.linear import (
     RowParallelLinear,
     split_ranges,
 )
+from hybridserve.workers.layers.low_rank import LowRankAdapter
 from hybridserve.workers.models.config import MLPSpec
 
 
@@ -35,19 +36,22 @@ class MLP(nn.Module):
         size = spec.intermediate_size
         if spec.gated:
             # Fused [gate | up] rows, each half split across ranks on its own.
-            self.gate_up_proj = ColumnParallelLinear(
-                hidden_size, split_ranges([size, size], parallel), spec.bias, **common
-            )
+            self.up_rows = split_ranges([size, size], parallel)
+            self.gate_up_proj = ColumnParallelLinear(hidden_size, self.up_rows, spec.bias, **common)
         else:
-            self.up_proj = ColumnParallelLinear(
-                hidden_size, split_ranges([size], parallel), spec.bias, **common
-            )
+            self.up_rows = split_ranges([size], parallel)
+            self.up_proj = ColumnParallelLinear(hidden_size, self.up_rows, spec.bias, **common)
         self.down_proj = RowParallelLinear(
             size, hidden_size, spec.bias, parallel, name="down_proj", reduce=reduce, **common
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, adapter: LowRankAdapter | None = None) -> torch.Tensor:
+        """`adapter`: a low-rank term added to the up (or gate | up) projection (a Zamba2
+        invocation's)."""
+        up = self.gate_up_proj(hidden) if self.gated else self.up_proj(hidden)
+        if adapter is not None:
+            up = up + adapter(hidden)
         if self.gated:
-            gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+            gate, up = up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.up_proj(hidden)))
+        return self.down_proj(self.act(up))

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import causal_conv1d, conv_update_pooled
 from hybridserve.workers.executors.parallel import ParallelContext
+from hybridserve.workers.layers.causal_conv import causal_conv
 from hybridserve.workers.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -61,34 +61,6 @@ class ShortConv(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, state: RecurrentLayer
     ) -> torch.Tensor:
         B, C, x = self.in_proj(hidden).split(self.channels, dim=-1)
-        gated = B * x
         weight = self.conv_weight[:, 0, :]
-        nd = batch.num_decode
-        parts = []
-        if nd:
-            parts.append(
-                conv_update_pooled(
-                    gated[:nd],
-                    weight,
-                    self.conv_bias,
-                    conv_pool=state.pools["conv"],
-                    layer=state.layer,
-                    state_slots=batch.state_slots[:nd],
-                    activation=None,
-                )
-            )
-        if hidden.shape[0] > nd:
-            parts.append(
-                causal_conv1d(
-                    gated[nd:],
-                    weight,
-                    self.conv_bias,
-                    cu_seqlens=batch.prefill_cu_seqlens,
-                    conv_states=state.views["conv"],
-                    initial_state_slots=batch.prefill_initial_slots,
-                    final_state_slots=batch.state_slots[nd:],
-                    activation=None,
-                ).out
-            )
-        convolved = parts[0] if len(parts) == 1 else torch.cat(parts)
+        convolved = causal_conv(B * x, weight, self.conv_bias, batch, state, activation=None)
         return self.out_proj(C * convolved)

@@ -126,6 +126,17 @@ def stacked_experts(prefix: str, fused: str, per_expert: str, num_experts: int) 
     ]
 
 
+def stacked_gate_up(prefix: str, gate: str, up: str, num_experts: int, size: int) -> Alternatives:
+    """Routed experts' fused [gate | up] rows (`size` each): stacked as transformers holds them
+    (`{prefix}.gate_up_proj`), or each expert's `{prefix}.{e}.{gate}` and `{prefix}.{e}.{up}`."""
+    per_expert = [
+        source
+        for e in range(num_experts)
+        for source in gate_and_up(f"{prefix}.{e}.{gate}", f"{prefix}.{e}.{up}", size, e)
+    ]
+    return [[WeightSource(f"{prefix}.gate_up_proj")], per_expert]
+
+
 def check_mamba(
     reader: ConfigReader,
     spec: MambaSpec,

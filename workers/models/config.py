@@ -23,9 +23,13 @@ from hybridserve.workers.models.recurrent_state import (
     StateTensor,
 )
 
-LayerKind = Literal["mamba2", "gdn", "short_conv", "attention", "mlp", "moe"]
+LayerKind = Literal[
+    "mamba2", "mamba1", "gdn", "short_conv", "attention", "shared_block", "mlp", "moe"
+]
 # Layer kinds that keep per-sequence recurrent state (a slot in the state pools).
-RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "gdn", "short_conv")
+RECURRENT_KINDS: tuple[LayerKind, ...] = ("mamba2", "mamba1", "gdn", "short_conv")
+# Layer kinds that keep attention keys and values (a layer of the KV pool).
+KV_KINDS: tuple[LayerKind, ...] = ("attention", "shared_block")
 Activation = Literal["silu", "relu2", "gelu"]
 # How a Mamba2 scan output meets its gate z: RMSNorm(y * silu(z)) per group (Mamba2's own),
 # RMSNorm(y) * silu(z), or y * silu(z) with no norm (Falcon-H1's options).
@@ -39,6 +43,8 @@ Architecture = Literal[
     "olmo_hybrid",
     "lfm2",
     "falcon_h1",
+    "jamba",
+    "zamba2",
 ]
 
 
@@ -111,6 +117,31 @@ class MambaSpec(_Frozen):
                     (StateSection(self.num_heads, self.num_heads),),
                     (self.head_dim, self.state_size),
                 ),
+            ),
+        )
+
+
+class Mamba1Spec(_Frozen):
+    """A Mamba1 mixer (Jamba): in_proj gives x | z over `intermediate_size` channels; x goes
+    through a causal conv, then x_proj gives dt (`dt_rank`) | B | C (`state_size` each), each
+    RMS-normalised, and dt_proj widens dt to the channels. The state of a channel is a row of
+    `state_size` values, decayed per column by exp(dt * A[channel, column])."""
+
+    intermediate_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+
+    def state(self) -> RecurrentStateSpec:
+        channels = StateSection(self.intermediate_size, self.intermediate_size)
+        return RecurrentStateSpec(
+            "mamba1",
+            (
+                StateTensor("conv", "conv", (channels,), (self.conv_kernel - 1,)),
+                StateTensor("ssm", "recurrent", (channels,), (self.state_size,)),
             ),
         )
 
@@ -200,6 +231,9 @@ class AttentionSpec(_Frozen):
     # weights of head_dim) or over all heads' projection at once ("all_heads", OLMo).
     qk_norm_eps: float | None = None
     qk_norm_scope: Literal["head", "all_heads"] = "head"
+    # The width q, k and v project from, where it is not the hidden size (Zamba2's shared
+    # blocks attend over [hidden | embeddings], twice the hidden size).
+    input_size: int | None = None
 
 
 class MLPSpec(_Frozen):
@@ -234,6 +268,20 @@ class MoESpec(_Frozen):
     shared_gate: bool = False
 
 
+class SharedBlockSpec(_Frozen):
+    """Zamba2's shared transformer blocks: `num_blocks` blocks of weights (attention over
+    [hidden | the token embeddings], then a gated MLP, each pre-norm and without a residual),
+    invoked at several depths in turn: invocation j runs block j % num_blocks with its own
+    low-rank adapters (rank `adapter_rank`) on the MLP's gate | up projection, and on q, k and
+    v where `attention_adapters`, its own KV cache layer and its own output linear. The
+    invocation's output is added to the next sublayer's input, not to the residual."""
+
+    num_blocks: int
+    adapter_rank: int
+    attention_adapters: bool
+    mlp: MLPSpec
+
+
 class HybridModelConfig(_Frozen):
     architecture: Architecture
     vocab_size: int
@@ -262,9 +310,11 @@ class HybridModelConfig(_Frozen):
     # (Falcon-H1's muP multipliers); the model never reads them.
     weight_multipliers: Mapping[str, float] = {}
     mamba2: MambaSpec | None = None
+    mamba1: Mamba1Spec | None = None
     gdn: GatedDeltaNetSpec | None = None
     short_conv: ShortConvSpec | None = None
     attention: AttentionSpec | None = None
+    shared_block: SharedBlockSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
     # Multi-token prediction layers the checkpoint ships (`mtp.*`, models/mtp.py): the
@@ -283,6 +333,12 @@ class HybridModelConfig(_Frozen):
             raise ValueError("mtp_layer_kinds and num_mtp_steps go together")
         if any(not 0 < i < len(self.layer_kinds) for i in self.parallel_layer_ids):
             raise ValueError("a parallel sublayer needs a sublayer before it")
+        kinds = self.layer_kinds
+        feeding = [i for i, kind in enumerate(kinds) if kind == "shared_block"]
+        if any(i + 1 == len(kinds) or kinds[i + 1] == "shared_block" for i in feeding):
+            raise ValueError("a shared block feeds the sublayer after it, which must exist")
+        if self.shared_block is not None and self.attention is None:
+            raise ValueError("a shared block attends: it needs the attention spec")
         recurrent = {kind for kind in self.layer_kinds if kind in RECURRENT_KINDS}
         if len(recurrent) > 1:
             # NOTE: the state pools hold one state description; a model mixing recurrent kinds
@@ -305,7 +361,9 @@ class HybridModelConfig(_Frozen):
 
     @cached_property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
+        """The sublayers that hold a layer of the KV pool (attention, shared-block
+        invocations)."""
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind in KV_KINDS)
 
     @property
     def num_recurrent_layers(self) -> int:

@@ -4,7 +4,8 @@ The checkpoint format differences live in the architecture adapters (`nemotron_h
 `bamba.py`, `granite_moe_hybrid.py`, `qwen3_next.py`); this module only sees a
 `HybridModelConfig`: a stack of residual sublayers `x + residual_multiplier * op(norm(x))`
 (post-norm ones `op` then `norm`; a parallel one reads the input of the sublayer before it),
-each op one of mamba2 / gdn / short_conv / attention / mlp / moe.
+each op one of mamba2 / mamba1 / gdn / short_conv / attention / mlp / moe; or an invocation
+of a shared block (Zamba2), whose output is added to the next sublayer's input instead.
 
 Zero-centred norms (the checkpoint stores w, the norm scales by 1 + w) keep float32 weights:
 the loader adds the 1 in float32, so the scale is exactly the one the model was trained with
@@ -20,8 +21,9 @@ from hybridserve.kernels import can_pack, pack_weight, register_packed
 from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.linear import PackableLinear, packed_matmul
 from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.layers.shared_block import SharedBlock
 from hybridserve.workers.layers.vocab import VocabParallelEmbedding, gather_logits, vocab_param
-from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig
+from hybridserve.workers.models.config import KV_KINDS, RECURRENT_KINDS, HybridModelConfig
 from hybridserve.workers.models.mtp import MultiTokenPredictor
 from hybridserve.workers.models.sublayer import Sublayer, norm_weight_dtype
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
@@ -45,17 +47,34 @@ class HybridForCausalLM(nn.Module):
         self.embed = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, parallel, dtype, device
         )
-        num_recurrent = num_attention = 0
+        # Registered before the layers, so each shared parameter is named here once.
+        self.shared_blocks = nn.ModuleList(
+            SharedBlock(config, parallel, dtype, device)
+            for _ in range(config.shared_block.num_blocks if config.shared_block else 0)
+        )
+        num_recurrent = num_attention = num_invocations = 0
         layers = []
         for i, kind in enumerate(config.layer_kinds):
-            index = -1
+            index, block = -1, None
             if kind in RECURRENT_KINDS:
                 index, num_recurrent = num_recurrent, num_recurrent + 1
-            elif kind == "attention":
+            elif kind in KV_KINDS:
                 index, num_attention = num_attention, num_attention + 1
+            if kind == "shared_block":
+                block = self.shared_blocks[num_invocations % len(self.shared_blocks)]
+                num_invocations += 1
             post_norm = i in config.post_norm_layer_ids
             layers.append(
-                Sublayer(config, kind, index, parallel, dtype, device, post_norm=post_norm)
+                Sublayer(
+                    config,
+                    kind,
+                    index,
+                    parallel,
+                    dtype,
+                    device,
+                    post_norm=post_norm,
+                    shared_block=block,
+                )
             )
         self.parallel_layers = frozenset(config.parallel_layer_ids)
         self.layers = nn.ModuleList(layers)
@@ -85,10 +104,15 @@ class HybridForCausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
         residual_multiplier = self.config.residual_multiplier
-        layer_input = hidden
+        embeddings, layer_input, feed = hidden, hidden, None
         for i, layer in enumerate(self.layers):
+            if layer.kind == "shared_block":  # its output joins the next sublayer's input
+                kv = caches.kv_layer(layer.cache_index)
+                feed = layer.op(hidden, embeddings, batch, kv)
+                continue
             if i not in self.parallel_layers:  # a parallel sublayer reads its neighbour's input
-                layer_input = hidden
+                layer_input = hidden if feed is None else hidden + feed
+                feed = None
             out = layer(layer_input, batch, caches)
             hidden = hidden + (out if residual_multiplier == 1.0 else out * residual_multiplier)
         return self.final_norm(hidden)

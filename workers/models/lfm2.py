@@ -19,13 +19,13 @@ from __future__ import annotations
 from hybridserve.workers.models.adapter import (
     Alternatives,
     ModelFamily,
-    WeightSource,
     attention_spec,
     gate_and_up,
     model_sources,
     single,
     split_layer_name,
     stacked_experts,
+    stacked_gate_up,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
@@ -207,14 +207,7 @@ class Lfm2Adapter:
         if param == "router.score_bias":
             return single(f"{ffn}.expert_bias")
         if param == "experts.up":
-            size = moe.intermediate_size
-            per_expert = [
-                s
-                for e in range(moe.num_experts)
-                for s in gate_and_up(
-                    f"{ffn}.experts.{e}.w1.weight", f"{ffn}.experts.{e}.w3.weight", size, e
-                )
-            ]
-            return [[WeightSource(f"{ffn}.experts.gate_up_proj")], per_expert]
+            experts, size = moe.num_experts, moe.intermediate_size
+            return stacked_gate_up(f"{ffn}.experts", "w1.weight", "w3.weight", experts, size)
         assert param == "experts.down", param
         return stacked_experts(f"{ffn}.experts", "down_proj", "w2.weight", moe.num_experts)

@@ -34,6 +34,8 @@ from hybridserve.workers.models.adapter import (
     gate_and_up,
     gated_deltanet_spec,
     single,
+    stacked_experts,
+    stacked_gate_up,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
@@ -288,18 +290,12 @@ class Qwen3NextAdapter:
             return [gate_up(f"{ffn}.shared_expert", moe.shared.intermediate_size)]
         if param == "shared.down_proj.weight":
             return single(f"{ffn}.shared_expert.down_proj.weight")
-        experts = range(moe.num_experts)
+        experts = f"{ffn}.experts"
         if param == "experts.up":
-            size = moe.intermediate_size
-            return [
-                [WeightSource(f"{ffn}.experts.gate_up_proj")],
-                [s for e in experts for s in gate_up(f"{ffn}.experts.{e}", size, e)],
-            ]
+            gate, up = "gate_proj.weight", "up_proj.weight"
+            return stacked_gate_up(experts, gate, up, moe.num_experts, moe.intermediate_size)
         assert param == "experts.down", param
-        return [
-            [WeightSource(f"{ffn}.experts.down_proj")],
-            [WeightSource(f"{ffn}.experts.{e}.down_proj.weight", e) for e in experts],
-        ]
+        return stacked_experts(experts, "down_proj", "down_proj.weight", moe.num_experts)
 
 
 def _fused_rows(spec: GatedDeltaNetSpec) -> tuple[torch.Tensor, torch.Tensor]:

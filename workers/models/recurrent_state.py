@@ -6,6 +6,8 @@ the TP shard mapping read only this description, never the layer's own spec:
 
     Mamba2          conv       (x | B | C rows,  conv_kernel - 1)       rows split by heads / groups
                     ssm        (heads,            head_dim, state_size)  split by heads
+    Mamba1          conv       (x rows,          conv_kernel - 1)       split by channels
+                    ssm        (channels,         state_size)            split by channels
     Gated DeltaNet  conv       (q | k | v rows,  conv_kernel - 1)       split by key / value heads
                     recurrent  (value heads,      key_dim, value_dim)    split by value heads
     short conv      conv       (channels,         conv_kernel - 1)       split by channels

@@ -7,10 +7,12 @@ from hybridserve.workers.models.bamba import BambaAdapter
 from hybridserve.workers.models.config import ConfigError
 from hybridserve.workers.models.falcon_h1 import FalconH1Adapter
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
+from hybridserve.workers.models.jamba import JambaAdapter
 from hybridserve.workers.models.lfm2 import Lfm2Adapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
 from hybridserve.workers.models.olmo_hybrid import OlmoHybridAdapter
 from hybridserve.workers.models.qwen3_next import Qwen3NextAdapter
+from hybridserve.workers.models.zamba2 import Zamba2Adapter
 
 ADAPTERS: dict[str, ArchitectureAdapter] = {
     model_type: adapter
@@ -22,6 +24,8 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
         OlmoHybridAdapter(),
         Lfm2Adapter(),
         FalconH1Adapter(),
+        JambaAdapter(),
+        Zamba2Adapter(),
     )
     for model_type in adapter.model_types
 }

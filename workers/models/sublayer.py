@@ -1,6 +1,7 @@
-"""A residual sublayer of a hybrid model: `norm` then one op (mamba2, gdn, short_conv, attention,
-mlp, moe), or (post-norm) the op then `norm`, with its index in the KV pool or the state pools.
-The model's stack and the multi-token-prediction layers are made of these."""
+"""A residual sublayer of a hybrid model: `norm` then one op (mamba2, mamba1, gdn, short_conv,
+attention, mlp, moe), or (post-norm) the op then `norm`, with its index in the KV pool or the
+state pools; or an invocation of a shared block (layers/shared_block.py), which feeds the next
+sublayer. The model's stack and the multi-token-prediction layers are made of these."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from torch import nn
 from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.workers.layers.mamba1_mixer import Mamba1Mixer
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
 from hybridserve.workers.layers.moe import MoE
 from hybridserve.workers.layers.norm import RMSNorm
+from hybridserve.workers.layers.shared_block import SharedBlock, SharedBlockInvocation
 from hybridserve.workers.layers.short_conv import ShortConv
 from hybridserve.workers.models.config import RECURRENT_KINDS, HybridModelConfig, LayerKind
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
@@ -34,9 +37,11 @@ class Sublayer(nn.Module):
         device: torch.device | str | None,
         *,
         post_norm: bool = False,
+        shared_block: SharedBlock | None = None,
     ) -> None:
         """`post_norm`: the norm applies to the op's output (x + norm(op(x)), OLMo's attention
-        layers) rather than its input."""
+        layers) rather than its input. `shared_block`: the block a shared_block sublayer
+        invokes (its norms are the block's own)."""
         super().__init__()
         self.kind = kind
         self.post_norm = post_norm
@@ -44,11 +49,19 @@ class Sublayer(nn.Module):
         self.cache_index = cache_index
         hidden = config.hidden_size
         norm_dtype = norm_weight_dtype(config, dtype)
-        self.norm = RMSNorm(hidden, config.norm_eps, norm_dtype, device)
+        self.norm = (
+            None if kind == "shared_block" else RMSNorm(hidden, config.norm_eps, norm_dtype, device)
+        )
         self.op: nn.Module
-        if kind == "mamba2":
+        if kind == "shared_block":
+            assert shared_block is not None
+            self.op = SharedBlockInvocation(config, shared_block, dtype, device)
+        elif kind == "mamba2":
             assert config.mamba2 is not None
             self.op = MambaMixer(config.mamba2, hidden, parallel, dtype, device)
+        elif kind == "mamba1":
+            assert config.mamba1 is not None
+            self.op = Mamba1Mixer(config.mamba1, hidden, parallel, dtype, device)
         elif kind == "gdn":
             assert config.gdn is not None
             self.op = GatedDeltaNet(config.gdn, hidden, parallel, dtype, device)
@@ -76,6 +89,7 @@ class Sublayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: StateCaches
     ) -> torch.Tensor:
+        assert self.norm is not None, "a shared block is invoked with the embeddings"
         if self.post_norm:
             return self.norm(self._op(hidden, batch, caches))
         return self._op(self.norm(hidden), batch, caches)

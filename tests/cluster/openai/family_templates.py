@@ -190,6 +190,28 @@ OLMO_3 = """\
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# Jamba 1.5 and later: turns between <|bom|> and <|eom|> with role tokens, tools as JSON in
+# the system turn, calls as one JSON list in <tool_calls>, tool answers as the tool's turn.
+JAMBA = """\
+<|startoftext|><|bom|><|system|> {% if messages[0].role == 'system' %}{{ messages[0].content }}\
+{% endif %}
+{%- if tools %}
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>{% endif %}<|eom|>
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% continue %}{% endif %}
+{%- if message.role == 'assistant' %}<|bom|><|assistant|> {{ message.content or '' }}
+{%- if message.tool_calls %}<tool_calls>[
+{%- for call in message.tool_calls %}{"name": "{{ call.function.name }}", "arguments": \
+{{ call.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}\
+]</tool_calls>{% endif %}<|eom|>
+{%- else %}<|bom|><|{{ message.role }}|> {{ message.content }}<|eom|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|bom|><|assistant|>{% endif %}"""
+
 FAMILIES = {
     "qwen3_5": QWEN3_5,
     "qwen3_next": QWEN3_NEXT,
@@ -197,6 +219,7 @@ FAMILIES = {
     "nemotron_h": NEMOTRON_H,
     "lfm2": LFM2,
     "olmo_3": OLMO_3,
+    "jamba": JAMBA,
 }
 # The tool-call format and whether a reasoning parser is read from each template.
 EXPECTED_PARSERS = {
@@ -206,6 +229,7 @@ EXPECTED_PARSERS = {
     "nemotron_h": ("nemotron_json", True),
     "lfm2": ("lfm2", False),
     "olmo_3": ("olmo3", False),
+    "jamba": ("jamba", False),
 }
 
 
@@ -227,5 +251,7 @@ def written(format_name: str, calls: list[tuple[str, dict]]) -> str:
         return f"<|tool_call_start|>[{', '.join(python)}]<|tool_call_end|>"
     if format_name == "olmo3":
         return "<function_calls>\n" + "\n".join(python) + "\n</function_calls>"
-    entries = [{"name": n, "arguments": a} for n, a in calls]
-    return f"<TOOLCALL>{json.dumps(entries)}</TOOLCALL>"
+    entries = json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    if format_name == "jamba":
+        return f"<tool_calls>{entries}</tool_calls>"
+    return f"<TOOLCALL>{entries}</TOOLCALL>"

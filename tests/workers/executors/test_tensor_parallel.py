@@ -66,6 +66,11 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Attention beside Mamba2; one Mamba group over 2 ranks, normed before its gate (the
     # group's sum of squares completed across the ranks); multipliers folded into shards.
     "falcon-h1-1-group": ("falcon_h1_norm", {"mamba_n_groups": 1}),
+    # Mamba1 channels split, x_proj's dt | B | C all-reduced; 4 experts over 2 ranks.
+    "jamba": ("jamba", {}),
+    # Shared blocks over 2 ranks: their attention over [hidden | embeddings] and the
+    # invocations' adapters split as the projections they add to.
+    "zamba2": ("zamba2", {}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -83,6 +88,8 @@ RUNS = [
     ("lfm2-moe-3-experts", 2, False),
     ("lfm2-moe-3-experts", 2, True),
     ("falcon-h1-1-group", 2, False),
+    ("jamba", 2, True),
+    ("zamba2", 2, False),
 ]
 
 
