@@ -17,8 +17,8 @@ from hybridserve.kernels.cpu import library
 from hybridserve.kernels.reference import gated_delta_chunk_ref, gated_delta_step_ref
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_STEP_ARGS = [_PTR, _I64, _PTR, *[_I64] * 5, *[_PTR] * 6]
-_SCAN_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 4, *[_PTR] * 6]
+_STEP_ARGS = [_PTR, _I64, _PTR, *[_I64] * 6, *[_PTR] * 6]
+_SCAN_ARGS = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, *[_PTR] * 6]
 
 
 def _step_kernel() -> ctypes._CFuncPtr | None:
@@ -37,6 +37,11 @@ def _takes(states: torch.Tensor) -> bool:
         and states.shape[0] > 0
         and states[0].is_contiguous()
     )
+
+
+def _channels(g: torch.Tensor) -> int:
+    """Decay values per (token, value head): 1, or one per key channel."""
+    return g.shape[2] if g.dim() == 3 else 1
 
 
 def _floats(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -71,6 +76,7 @@ def gated_delta_step(
         Hv,
         Dk,
         Dv,
+        _channels(g),
         *(t.data_ptr() for t in (q, k, vf, g, beta, out)),
     )
     return out.to(v.dtype)
@@ -123,6 +129,7 @@ def gated_delta_chunk(
         Hv,
         Dk,
         Dv,
+        _channels(g),
         *(t.data_ptr() for t in (q, k, vf, g, beta, out)),
     )
     return out.to(v.dtype)

@@ -18,6 +18,11 @@ solve (the WY / UT form): with G_i the cumulative log decay to lane i,
     S'  = exp(G_last) S + (k exp(G_last - G))^T v'
 
 and only one state per chunk is carried from chunk to chunk. Everything is float32.
+
+The decay is per value head (Gated DeltaNet: g is (T, Hv)) or per key channel of each head
+(Kimi Delta Attention: g is (T, Hv, Dk), row i of S decays by exp(g_t[i])). With per-channel
+decay the chunk's decay matrix differs per channel, so the prompt form here is the recurrence,
+token by token, all sequences side by side.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def gated_delta_chunk_ref(
 
     Shapes (T tokens, Hk key heads, Hv value heads, a multiple of Hk; Dk, Dv head dims):
         q, k: (T, Hk, Dk), before L2 normalisation; v: (T, Hv, Dv)
-        g: (T, Hv), log decay (<= 0); beta: (T, Hv)
+        g: (T, Hv) or (T, Hv, Dk), log decay (<= 0); beta: (T, Hv)
         cu_seqlens: (S + 1,) cumulative token offsets; every sequence has at least one token
         states: (num_slots, Hv, Dk, Dv), written in place at `final_state_slots`
         initial_state_slots: (S,); -1 starts the sequence from a zero state
@@ -72,11 +77,15 @@ def gated_delta_chunk_ref(
     Dk = k.shape[-1]
     num_seqs = cu_seqlens.shape[0] - 1
     assert q.shape == k.shape and q.shape[0] == T and Hv % q.shape[1] == 0
-    assert g.shape == (T, Hv) and beta.shape == (T, Hv)
+    assert g.shape in ((T, Hv), (T, Hv, Dk)) and beta.shape == (T, Hv)
     assert states.shape[1:] == (Hv, Dk, Dv)
     assert initial_state_slots.shape == (num_seqs,) and final_state_slots.shape == (num_seqs,)
     qf, kf = _heads(q, k, Hv)
     device = v.device
+    if g.dim() == 3:
+        return _recurrence(
+            qf, kf, v, g, beta, cu_seqlens, states, initial_state_slots, final_state_slots
+        )
 
     # All chunks of all sequences at once (ChunkLayout). A padded lane has g = 0 and beta = 0:
     # no decay, no correction, nothing changes.
@@ -117,6 +126,58 @@ def gated_delta_chunk_ref(
     return layout.to_tokens(out).to(v.dtype)
 
 
+def _advance(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch of states (B, Hv, Dk, Dv): (new states, outputs (B, Hv, Dv)).
+    q, k: (B, Hv, Dk) normalised; v: (B, Hv, Dv); g: (B, Hv) or (B, Hv, Dk); beta: (B, Hv)."""
+    decay = torch.exp(g.float())
+    state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
+    remembered = (state * k[..., None]).sum(dim=-2)  # S^T k: (B, Hv, Dv)
+    correction = (v.float() - remembered) * beta.float()[..., None]
+    state = state + k[..., None] * correction[..., None, :]
+    return state, (state * q[..., None]).sum(dim=-2)
+
+
+def _recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    states: torch.Tensor,
+    initial_state_slots: torch.Tensor,
+    final_state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The prompt form for per-channel decay: token by token, every sequence at once (one
+    shorter than the longest is padded with g = 0 and beta = 0, which change nothing)."""
+    lengths = cu_seqlens.diff().long()
+    num_seqs = lengths.shape[0]
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=v.device), lengths)
+    lanes = torch.arange(v.shape[0], device=v.device) - cu_seqlens[seq_ids].long()
+    longest = int(lengths.max())
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (T, ...) -> (S, longest, ...)
+        out = t.new_zeros((num_seqs, longest, *t.shape[1:]))
+        out[seq_ids, lanes] = t
+        return out
+
+    qp, kp, vp, gp, bp = (padded(t.float()) for t in (q, k, v, g, beta))
+    state = read_slots(states, initial_state_slots)
+    outputs = []
+    for t in range(longest):
+        state, out = _advance(state, qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t])
+        outputs.append(out)
+    write_slots(states, final_state_slots, state)
+    return torch.stack(outputs, dim=1)[seq_ids, lanes].to(v.dtype)
+
+
 def gated_delta_step_ref(
     states: torch.Tensor,
     q: torch.Tensor,
@@ -130,19 +191,14 @@ def gated_delta_step_ref(
     """Advance each row's state by one token and return that token's output.
 
     Shapes (Bt rows): states (num_slots, Hv, Dk, Dv), updated in place; q, k: (Bt, Hk, Dk)
-    before L2 normalisation; v: (Bt, Hv, Dv); g, beta: (Bt, Hv); state_slots: (Bt,), -1 marks
-    a padding row (the pool is untouched, the output zero). Rows must use distinct slots.
-    Returns (Bt, Hv, Dv) in v.dtype.
+    before L2 normalisation; v: (Bt, Hv, Dv); g: (Bt, Hv) or (Bt, Hv, Dk); beta: (Bt, Hv);
+    state_slots: (Bt,), -1 marks a padding row (the pool is untouched, the output zero). Rows
+    must use distinct slots. Returns (Bt, Hv, Dv) in v.dtype.
     """
     Bt, Hv, Dv = v.shape
     assert states.shape[1] == Hv and states.shape[3] == Dv and state_slots.shape == (Bt,)
     qf, kf = _heads(q, k, Hv)
     valid = state_slots >= 0
-    state = read_slots(states, state_slots)  # (Bt, Hv, Dk, Dv)
-    state = state * torch.exp(g.float())[..., None, None]
-    remembered = (state * kf[..., None]).sum(dim=-2)  # S^T k: (Bt, Hv, Dv)
-    correction = (v.float() - remembered) * beta.float()[..., None]
-    state = state + kf[..., None] * correction[..., None, :]
-    out = (state * qf[..., None]).sum(dim=-2)
+    state, out = _advance(read_slots(states, state_slots), qf, kf, v, g, beta)
     write_slots(states, state_slots, state)
     return torch.where(valid[:, None, None], out, 0.0).to(v.dtype)

@@ -1,4 +1,5 @@
-"""The gated delta rule (Gated DeltaNet) in Triton: the chunked prompt form and the decode step.
+"""The gated delta rule (Gated DeltaNet, Kimi Delta Attention) in Triton: the chunked prompt
+form and the decode step.
 
 Triton twins of `kernels.reference.gated_delta` (same arguments, same float32 math; see its
 docstring for the recurrence and the chunked WY form).
@@ -16,6 +17,9 @@ keys). Substitution computes the inverse itself, whose entries stay bounded. Eve
 product runs in full float32 (`input_precision="ieee"`: TF32 would lose the exactness the
 reuse tests rely on).
 
+With per-channel decay (Kimi Delta Attention, g of (T, Hv, Dk)) the prompt runs the recurrence
+token by token instead (`_scan_kernel`), the state block in registers for the whole sequence.
+
 Decode (`gated_delta_step`): one program per (row, value head, block of value columns) reads its
 (Dk, BLOCK_V) part of the state from the slot pool, advances it one token in place, and writes
 that block of the output. Padding rows (slot -1) leave the pool untouched and output zeros.
@@ -31,6 +35,16 @@ from .launch import strides
 
 CHUNK = 64
 L2_EPS = tl.constexpr(1e-6)
+
+
+@triton.jit
+def _decay(p_g, stride_g_d, o_k, mask_k, PER_CHANNEL: tl.constexpr):
+    """exp(g) as a (BLOCK_K, 1) column: one value per key channel, or the head's for every row."""
+    if PER_CHANNEL:
+        b_g = tl.load(p_g + o_k * stride_g_d, mask=mask_k, other=0.0).to(tl.float32)
+    else:
+        b_g = tl.load(p_g + o_k * 0).to(tl.float32)  # the head's decay on every row
+    return tl.exp(b_g)[:, None]
 
 
 @triton.jit
@@ -185,6 +199,7 @@ def _step_kernel(
     stride_v_d,
     stride_g_b,
     stride_g_h,
+    stride_g_d,
     stride_beta_b,
     stride_beta_h,
     stride_o_b,
@@ -195,6 +210,7 @@ def _step_kernel(
     stride_s_k,
     stride_s_v,
     stride_slots_b,
+    PER_CHANNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -217,7 +233,9 @@ def _step_kernel(
     b_v = tl.load(
         v + i_b64 * stride_v_b + i_h * stride_v_h + o_v * stride_v_d, mask=mask_v, other=0.0
     )
-    b_g = tl.load(g + i_b64 * stride_g_b + i_h * stride_g_h).to(tl.float32)
+    b_decay = _decay(
+        g + i_b64 * stride_g_b + i_h * stride_g_h, stride_g_d, o_k, mask_k, PER_CHANNEL
+    )
     b_beta = tl.load(beta + i_b64 * stride_beta_b + i_h * stride_beta_h).to(tl.float32)
 
     mask_s = mask_k[:, None] & mask_v[None, :]
@@ -228,13 +246,91 @@ def _step_kernel(
         + o_k[:, None] * stride_s_k
         + o_v[None, :] * stride_s_v
     )
-    state = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32) * tl.exp(b_g)
+    state = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32) * b_decay
     remembered = tl.sum(state * b_k[:, None], axis=0)  # S^T k: (BLOCK_V,)
     correction = (b_v.to(tl.float32) - remembered) * b_beta
     state += b_k[:, None] * correction[None, :]
     tl.store(p_s, state.to(p_s.dtype.element_ty), mask=mask_s)
     b_o = tl.sum(state * b_q[:, None], axis=0)
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def _scan_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    out,
+    states,
+    cu_seqlens,
+    initial_slots,
+    final_slots,
+    Dk,
+    Dv,
+    value_per_key,
+    q_scale,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_t,
+    stride_k_h,
+    stride_k_d,
+    stride_v_t,
+    stride_v_h,
+    stride_v_d,
+    stride_g_t,
+    stride_g_h,
+    stride_g_d,
+    stride_beta_t,
+    stride_beta_h,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_s_slot,
+    stride_s_h,
+    stride_s_k,
+    stride_s_v,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Per-channel decay: the recurrence token by token, the (BLOCK_K, BLOCK_V) state block in
+    registers for the whole sequence."""
+    i_s, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kh = i_h // value_per_key
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = o_k < Dk, o_v < Dv
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    o_s = i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
+    first = tl.load(initial_slots + i_s).to(tl.int64)
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if first >= 0:
+        state = tl.load(states + first * stride_s_slot + o_s, mask=mask_s, other=0.0)
+        state = state.to(tl.float32)
+    start = tl.load(cu_seqlens + i_s).to(tl.int64)
+    end = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
+    for t in range(start, end):
+        b_q = tl.load(q + t * stride_q_t + i_kh * stride_q_h + o_k * stride_q_d, mask=mask_k)
+        b_k = tl.load(k + t * stride_k_t + i_kh * stride_k_h + o_k * stride_k_d, mask=mask_k)
+        b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_q = b_q * (q_scale / tl.sqrt(tl.sum(b_q * b_q, axis=0) + L2_EPS))
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + L2_EPS)
+        p_v = v + t * stride_v_t + i_h * stride_v_h + o_v * stride_v_d
+        b_v = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + t * stride_beta_t + i_h * stride_beta_h).to(tl.float32)
+        p_g = g + t * stride_g_t + i_h * stride_g_h
+        state = state * _decay(p_g, stride_g_d, o_k, mask_k, True)
+        correction = (b_v - tl.sum(state * b_k[:, None], axis=0)) * b_beta
+        state += b_k[:, None] * correction[None, :]
+        p_o = out + t * stride_o_t + i_h * stride_o_h + o_v * stride_o_d
+        b_o = tl.sum(state * b_q[:, None], axis=0)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+    last = tl.load(final_slots + i_s).to(tl.int64)
+    if last >= 0:
+        p_last = states + last * stride_s_slot + o_s
+        tl.store(p_last, state.to(p_last.dtype.element_ty), mask=mask_s)
 
 
 def _blocks(Dk: int, Dv: int) -> tuple[int, int]:
@@ -267,21 +363,8 @@ def gated_delta_chunk(
         return out
     BLOCK_K, BLOCK_V = _blocks(Dk, Dv)
     grid = (num_seqs, Hv, triton.cdiv(Dv, BLOCK_V))
-    _chunk_kernel[grid](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        out,
-        states,
-        cu_seqlens,
-        initial_state_slots,
-        final_state_slots,
-        Dk,
-        Dv,
-        Hv // Hk,
-        Dk**-0.5,
+    args = (q, k, v, g, beta, out, states, cu_seqlens, initial_state_slots, final_state_slots)
+    layout = {
         **strides("q", q, "t", "h", "d"),
         **strides("k", k, "t", "h", "d"),
         **strides("v", v, "t", "h", "d"),
@@ -289,10 +372,14 @@ def gated_delta_chunk(
         **strides("beta", beta, "t", "h"),
         **strides("o", out, "t", "h", "d"),
         **strides("s", states, "slot", "h", "k", "v"),
-        CHUNK_SIZE=CHUNK,
-        BLOCK_K=BLOCK_K,
-        BLOCK_V=BLOCK_V,
-    )
+    }
+    shape = (Dk, Dv, Hv // Hk, Dk**-0.5)
+    if g.dim() == 3:  # per-channel decay: the recurrence
+        _scan_kernel[grid](
+            *args, *shape, **layout, stride_g_d=g.stride(2), BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V
+        )
+        return out
+    _chunk_kernel[grid](*args, *shape, **layout, CHUNK_SIZE=CHUNK, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V)
     return out
 
 
@@ -333,10 +420,12 @@ def gated_delta_step(
         **strides("k", k, "b", "h", "d"),
         **strides("v", v, "b", "h", "d"),
         **strides("g", g, "b", "h"),
+        stride_g_d=g.stride(2) if g.dim() == 3 else 0,
         **strides("beta", beta, "b", "h"),
         **strides("o", out, "b", "h", "d"),
         **strides("s", states, "slot", "h", "k", "v"),
         **strides("slots", state_slots, "b"),
+        PER_CHANNEL=g.dim() == 3,
         BLOCK_K=BLOCK_K,
         BLOCK_V=BLOCK_V,
     )

@@ -22,10 +22,12 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     *,
     aligned: bool = False,
+    per_channel: bool = False,
 ) -> dict:
     """With `aligned`, keys barely vary, beta is near 1 and there is almost no decay: the
     in-chunk system (I + A) is far from the identity, so every power of A in its inverse
-    counts (a kernel that truncates it is caught)."""
+    counts (a kernel that truncates it is caught). With `per_channel`, g decays each key
+    channel on its own (Kimi Delta Attention): (T, Hv, Dk)."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
 
@@ -45,7 +47,7 @@ def make_inputs(
         "k": k.to(dtype),
         "v": v.to(dtype),
         # Decays from ~0.3 to ~1 per token: long products stay representable.
-        "g": -torch.rand(T, HV, generator=gen) * decay,
+        "g": -torch.rand(T, HV, *((DK,) if per_channel else ()), generator=gen) * decay,
         "beta": 0.9 + 0.1 * torch.rand(T, HV, generator=gen)
         if aligned
         else torch.rand(T, HV, generator=gen),
@@ -65,7 +67,8 @@ def oracle(q, k, v, g, beta, state):
     v, g, beta, state = v.double(), g.double(), beta.double(), state.double().clone()
     outputs = []
     for t in range(q.shape[0]):
-        state = state * torch.exp(g[t])[:, None, None]
+        decay = torch.exp(g[t])
+        state = state * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
         remembered = (state * k[t][:, :, None]).sum(1)
         state = state + k[t][:, :, None] * ((v[t] - remembered) * beta[t][:, None])[:, None, :]
         outputs.append((state * q[t][:, :, None]).sum(1))

@@ -13,10 +13,10 @@ from tests.kernels.gated_delta_cases import FINAL, INITIAL, LAYER, LENGTHS, make
 TOL = 2e-5
 
 
-def check_chunk(chunk, *, aligned=False, tol=TOL):
+def check_chunk(chunk, *, aligned=False, per_channel=False, tol=TOL):
     """Run `chunk` (a kernel with the reference's signature) on the shared cases; compare its
     outputs and final states with the oracle, and check nothing else in the pool moved."""
-    case = make_inputs(LENGTHS, aligned=aligned)
+    case = make_inputs(LENGTHS, aligned=aligned, per_channel=per_channel)
     pool = case["pool"]
     before = pool.clone()
     states = pool[:, LAYER]
@@ -46,9 +46,9 @@ def check_chunk(chunk, *, aligned=False, tol=TOL):
     assert torch.equal(pool[:, 1 - LAYER], before[:, 1 - LAYER])
 
 
-def check_step(step, tol=TOL):
+def check_step(step, *, per_channel=False, tol=TOL):
     """Decode rows in an arbitrary slot order with a padding row, four tokens in a row."""
-    case = make_inputs([4] * 5, seed=1)
+    case = make_inputs([4] * 5, seed=1, per_channel=per_channel)
     pool = case["pool"]
     before = pool.clone()
     slots = torch.tensor([5, -1, 0, 7, 2])
@@ -73,6 +73,14 @@ def check_step(step, tol=TOL):
 @pytest.mark.parametrize("aligned", [False, True], ids=["random", "aligned-keys"])
 def test_the_chunked_form_equals_the_token_by_token_recurrence(aligned):
     check_chunk(gated_delta_chunk_ref, aligned=aligned)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_per_channel_decay_prompts_and_steps_equal_the_recurrence(per_channel):
+    """Kimi Delta Attention's decay, one value per key channel (the prompt form is then the
+    recurrence itself); per head, the same as above."""
+    check_chunk(gated_delta_chunk_ref, per_channel=per_channel)
+    check_step(gated_delta_step_ref, per_channel=per_channel)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])

@@ -342,8 +342,8 @@ static void gdn(const Model *m, const Layer *l, const Step *step) {
             const float g = l->A[h] * softplus(a + l->dt_bias[h]);
             float *state = m->state_pool + step->slots[r] * m->state_slot_stride +
                            l->cache_index * m->state_layer_stride + h * Dk * Dv;
-            gated_delta_advance(state, Dk, Dv, qn, kn, convolved + 2 * key_dim + h * Dv, g, beta,
-                                scratch, m->mixed + r * m->mixed_size + conv_dim + h * Dv);
+            gated_delta_advance(state, Dk, Dv, qn, kn, convolved + 2 * key_dim + h * Dv, &g, 0,
+                                beta, scratch, m->mixed + r * m->mixed_size + conv_dim + h * Dv);
           }
         }
     }

@@ -6,7 +6,9 @@
        S = exp(g) * S;   delta = beta * (v - S^T k);   S += k delta^T;   o = S^T q
 
    two passes over S (Dk x Dv, row-major): the decay while accumulating S^T k, then the
-   update while accumulating S^T q, each a run over Dv contiguous floats. */
+   update while accumulating S^T q, each a run over Dv contiguous floats. The decay is one
+   value for the head (Gated DeltaNet, g_stride 0) or one per key channel, row i of S
+   decaying by exp(g[i]) (Kimi Delta Attention, g_stride 1). */
 #include <math.h>
 #include <stdint.h>
 
@@ -28,16 +30,19 @@ static inline void gated_delta_normalise(const float *q, const float *k, int64_t
     }
 }
 
-/* One token through state S (Dk x Dv); qn, kn normalised; scratch: Dv floats. */
+/* One token through state S (Dk x Dv); qn, kn normalised; row i decays by exp(g[i *
+   g_stride]); scratch: Dv floats. */
 static inline void gated_delta_advance(float *S, int64_t Dk, int64_t Dv, const float *qn,
-                                       const float *kn, const float *v, float g, float beta,
-                                       float *scratch, float *out) {
-    const float decay = expf(g);
+                                       const float *kn, const float *v, const float *g,
+                                       int64_t g_stride, float beta, float *scratch,
+                                       float *out) {
     float *delta = scratch;
     for (int64_t j = 0; j < Dv; ++j) delta[j] = 0.0f;
+    const float head_decay = expf(g[0]);
     for (int64_t i = 0; i < Dk; ++i) {
         float *row = S + i * Dv;
         const float ki = kn[i];
+        const float decay = g_stride ? expf(g[i * g_stride]) : head_decay;
         for (int64_t j = 0; j < Dv; ++j) {
             row[j] *= decay;
             delta[j] += row[j] * ki;

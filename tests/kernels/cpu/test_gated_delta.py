@@ -3,6 +3,7 @@ fall back to the reference for pools they do not take."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridserve.kernels.cpu import gated_delta
@@ -15,12 +16,14 @@ def test_the_c_kernels_build():
     assert gated_delta._scan_kernel() is not None
 
 
-def test_the_prompt_scan_equals_the_recurrence():
-    check_chunk(gated_delta.gated_delta_chunk)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_the_prompt_scan_equals_the_recurrence(per_channel):
+    check_chunk(gated_delta.gated_delta_chunk, per_channel=per_channel)
 
 
-def test_the_decode_step_equals_the_recurrence_and_skips_padding_rows():
-    check_step(gated_delta.gated_delta_step)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_the_decode_step_equals_the_recurrence_and_skips_padding_rows(per_channel):
+    check_step(gated_delta.gated_delta_step, per_channel=per_channel)
 
 
 def test_a_bfloat16_pool_runs_the_reference():
