@@ -244,7 +244,7 @@ def store_kv_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     pool = kv_pool.select(1, layer)
-    _store_kv(key, value, pool.select(1, 0), pool.select(1, 1), slot_mapping)
+    _store_kv(key, value, pool.select(1, 0), pool.select(1, -1), slot_mapping)
 
 
 @torch.library.register_fake("hybridserve::store_kv_")
@@ -265,7 +265,7 @@ def attention_decode_reference(
     out = _paged_attention_decode(
         q,
         pool.select(1, 0),
-        pool.select(1, 1),
+        pool.select(1, -1),
         block_tables=block_tables,
         seq_lens=seq_lens,
         scale=scale,
@@ -374,9 +374,9 @@ def store_kv_pooled(
     layer: int,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key, value: (T, Hkv, D) into kv_pool: (num_blocks, num_layers, 2, Hkv, block_size, D)
-    at layer `layer`; slot_mapping: (T,) block_id * block_size + offset, -1 for a padding
-    token."""
+    """key, value: (T, Hkv, D) into kv_pool: (num_blocks, num_layers, planes, Hkv,
+    block_size, D) at layer `layer` (two planes K and V; one, a latent cache, holds the key);
+    slot_mapping: (T,) block_id * block_size + offset, -1 for a padding token."""
     torch.ops.hybridserve.store_kv_(kv_pool, layer, key, value, slot_mapping)
 
 

@@ -309,6 +309,40 @@ def _zamba2(**overrides: Any) -> Any:
     return Zamba2ForCausalLM(Zamba2Config(**(shapes | overrides | forced)))
 
 
+def _kimi_linear(**overrides: Any) -> Any:
+    """Kimi Delta Attention, latent attention, KDA; a dense FFN, then 4 experts (top 2, two
+    groups) with a shared expert and a random correction bias."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    shapes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "linear_num_heads": 4,
+        "linear_head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+    }
+    model = KimiLinearForCausalLM(KimiLinearConfig(**(shapes | overrides)))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    return model
+
+
 BUILDERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
@@ -333,6 +367,7 @@ BUILDERS = {
     ),
     "jamba": _jamba,
     "zamba2": _zamba2,
+    "kimi_linear": _kimi_linear,
 }
 MAMBA2_ARCHITECTURES = ("nemotron_h", "bamba", "granitemoehybrid")
 GDN_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "olmo_hybrid")

@@ -5,7 +5,8 @@ reject a peer whose compatibility hash differs: same model, dtypes (each state t
 block size, layer layout and geometry, with tensor-parallel sizes dividing each other.
 
 Pool layouts (one block / slot is one contiguous region on each rank):
-    KV:     (num_blocks, attn_layers, 2, kv_heads_per_rank, block_size, head_dim)
+    KV:     (num_blocks, attn_layers, kv_planes, kv_heads_per_rank, block_size, head_dim)
+            (K and V planes; one plane for a latent cache, whose V is its K)
     state:  one pool per state tensor of the model's recurrent kind (Mamba2: conv, ssm; Gated
             DeltaNet: conv, recurrent), (num_slots, state_layers, rows_per_rank, *row_shape)
 
@@ -80,6 +81,7 @@ class PeerLayout:
     state_kind: str
     num_state_layers: int
     state_tensors: tuple[StateTensorLayout, ...]
+    kv_planes: int = 2
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -99,6 +101,7 @@ class PeerLayout:
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "kv_dtype": self.kv_dtype,
+            "kv_planes": self.kv_planes,
             "state_kind": self.state_kind,
             "state_layers": self.num_state_layers,
             "state_tensors": [

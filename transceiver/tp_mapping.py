@@ -3,8 +3,8 @@
 Every kind of state is split across ranks along one axis, in sections; within a section the
 rows come in `units` (heads, groups) that are never cut:
 
-    KV block:      kv heads        (attn_layers, 2, heads, block_size, head_dim):   axis 2
-    state tensor:  its sections    (state_layers, rows, *row_shape):                axis 1
+    KV block:      kv heads        (attn_layers, planes, heads, block_size, head_dim): axis 2
+    state tensor:  its sections    (state_layers, rows, *row_shape):                   axis 1
                    (Mamba2 conv: x | B | C, SSM: heads; Gated DeltaNet conv: q | k | v,
                    recurrent: value heads; the layout carries them, layout.py)
 
@@ -200,7 +200,9 @@ def state_geometry(layout: PeerLayout) -> dict[str, tuple[tuple[Section, ...], R
         row = layout.block_size * layout.head_dim * _itemsize(layout.kv_dtype)
         geometry["kv"] = (
             (Section(layout.num_kv_heads, units=layout.num_kv_heads),),
-            RegionShape(layout.num_attention_layers * 2, layout.kv_heads_per_rank, row),
+            RegionShape(
+                layout.num_attention_layers * layout.kv_planes, layout.kv_heads_per_rank, row
+            ),
         )
     for tensor in layout.state_tensors:
         geometry[tensor.name] = (

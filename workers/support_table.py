@@ -40,6 +40,15 @@ def default_config(model_type: str, overrides: dict) -> HybridModelConfig:
     return ADAPTERS[model_type].parse_config(ConfigReader(raw, f"{model_type} defaults"))
 
 
+def state_name(config: HybridModelConfig) -> str | None:
+    kind = config.recurrent_kind
+    if kind is None:
+        return None
+    if config.gdn is not None and config.gdn.per_channel_decay:
+        return "Gated DeltaNet, decay per key channel (KDA)"
+    return STATE_NAMES[kind]
+
+
 def _cell(variants: list[Variant], has: Callable[[HybridModelConfig], bool]) -> str:
     labels = [label for label, config in variants if has(config)]
     if len(labels) == len(variants):
@@ -67,12 +76,12 @@ def rows() -> list[list[str]]:
             (label, default_config(model_type, overrides))
             for label, model_type, overrides in family.variants
         ]
-        kinds = dict.fromkeys(config.recurrent_kind for _, config in variants)
+        states = dict.fromkeys(state_name(config) for _, config in variants)
         table.append(
             [
                 family.name,
                 ", ".join(f"`{t}`" for t in family.model_types),
-                ", ".join(STATE_NAMES[kind] for kind in kinds if kind is not None),
+                ", ".join(name for name in states if name is not None),
                 "yes",  # snapshot reuse: every recurrent kind is a state description
                 "yes",  # P/D: the transfer moves whatever the state description holds
                 "yes",  # TP: heads split; shapes that do not are refused naming the field

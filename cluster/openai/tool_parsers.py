@@ -9,6 +9,8 @@ A format is a pair of markers around one call block and the reading of what is i
                   </function></tool_call>
     nemotron_json <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>   Nemotron-H
     jamba         <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>   Jamba 1.5+
+    kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0       Kimi Linear
+                  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
     lfm2          <|tool_call_start|>[name(key="value", n=1), ...]<|tool_call_end|>   LFM2
     olmo3         <function_calls>name(key="value")\nother(n=1)</function_calls>     OLMo 3,
                                                                              OLMo-Hybrid
@@ -29,7 +31,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 
@@ -144,6 +146,39 @@ class JambaFormat(ToolCallFormat):
     def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
         value = _load_json(block.strip())
         return _json_calls(value) if isinstance(value, list) else None
+
+
+_KIMI_CALL = re.compile(
+    r"\s*<\|tool_call_begin\|>\s*((?:functions\.)?([^:<\s]+):\d+)\s*"
+    r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
+    re.DOTALL,
+)
+
+
+class KimiK2Format(ToolCallFormat):
+    """Kimi K2 and Kimi Linear: a section of calls, each `functions.NAME:INDEX` then its JSON
+    arguments. That id is the call's id too: the template writes it back, and the name with
+    it, when the calls return in the next prompt."""
+
+    name = "kimi_k2"
+    start, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+    @classmethod
+    def writes(cls, template: str) -> bool:
+        return cls.start in template
+
+    def read(self, block: str, tools: ToolSchemas) -> list[ToolCall] | None:
+        calls, position = [], 0
+        while position < len(block):
+            match = _KIMI_CALL.match(block, position)
+            if match is None:
+                return None
+            arguments = _load_json(match.group(3).strip())
+            if not isinstance(arguments, dict):
+                return None
+            calls.append(replace(ToolCall.of(match.group(2), arguments), id=match.group(1)))
+            position = match.end()
+        return calls or None
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -278,6 +313,7 @@ FORMATS: dict[str, type[ToolCallFormat]] = {
         Qwen3CoderFormat,
         NemotronJsonFormat,
         JambaFormat,
+        KimiK2Format,
         Lfm2Format,
         Olmo3Format,
     )

@@ -3,9 +3,9 @@
 offline TP 1 engine of the same checkpoint. Topologies: prefill TP 2 -> decode TP 1, TP 1 ->
 TP 2, and TP 2 -> TP 2 with expert parallelism on a MoE checkpoint, a Gated DeltaNet MoE
 checkpoint (Qwen3-Next) TP 2 with expert parallelism -> TP 1 and TP 1 -> TP 2, and one
-topology for each later family (OLMo-Hybrid, LFM2-MoE, Falcon-H1, Jamba, Zamba2: every family
-runs P/D over both backends in tests/transceiver/test_two_processes.py); every TP pair runs
-over both backends in tests/transceiver/test_shards.py."""
+topology for each later family (OLMo-Hybrid, LFM2-MoE, Falcon-H1, Jamba, Zamba2, Kimi Linear:
+every family runs P/D over both backends in tests/transceiver/test_two_processes.py); every TP
+pair runs over both backends in tests/transceiver/test_shards.py."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ TOPOLOGIES = {
     "falcon-tp1-to-tp2-nixl": ("falcon", {}, TP2, "nixl"),
     "jamba-tp2-to-tp1-tcp": ("jamba", TP2, {}, "tcp"),
     "zamba2-tp1-to-tp2-nixl": ("zamba2", {}, TP2, "nixl"),
+    "kimi-tp2-to-tp1-nixl": ("kimi", TP2, {}, "nixl"),
 }
 
 
@@ -53,7 +54,7 @@ class Deployment:
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """Random checkpoints with the `tiny` tokenizer, so text prompts and chat work:
     NemotronH (4 experts, a shared expert), Qwen3-Next (Gated DeltaNet, 4 experts, a gated
-    shared expert), OLMo-Hybrid, LFM2-MoE, Falcon-H1, Jamba and Zamba2."""
+    shared expert), OLMo-Hybrid, LFM2-MoE, Falcon-H1, Jamba, Zamba2 and Kimi Linear."""
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tokenizer"))
     folders = {}
     families = {
@@ -64,6 +65,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         "falcon": "falcon_h1",
         "jamba": "jamba",
         "zamba2": "zamba2",
+        "kimi": "kimi_linear",
     }
     for name, arch in families.items():
         folder = tmp_path_factory.mktemp(name)

@@ -94,6 +94,7 @@ OTHER_BACKEND = {
     "falcon_h1": "tcp",
     "jamba": "nixl",
     "zamba2": "tcp",
+    "kimi_linear": "tcp",
 }
 RUNS = [
     (family, backend)

@@ -34,6 +34,7 @@ def peer_layout(model: HybridModelConfig, config: EngineConfig, rank: int = 0) -
         kv_dtype=str(kv_cache_dtype(config)) if attention else "none",
         state_kind=state.kind if state else "none",
         num_state_layers=model.num_recurrent_layers,
+        kv_planes=model.kv_planes,
         state_tensors=tuple(
             StateTensorLayout(
                 name=tensor.name,

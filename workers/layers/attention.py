@@ -37,6 +37,39 @@ from hybridserve.workers.models.config import AttentionSpec
 from hybridserve.workers.runner.forward_batch import ForwardBatch, KVLayer
 
 
+def paged_attention(
+    q: torch.Tensor, batch: ForwardBatch, kv_cache: KVLayer, scale: float
+) -> torch.Tensor:
+    """q (T, H, D) over the layer's paged cache (its keys stored already): the batch's decode
+    rows, then its prefill sequences. Returns (T, H, D)."""
+    nd = batch.num_decode
+    parts = []
+    if nd:
+        parts.append(
+            attention_decode_pooled(
+                q[:nd],
+                kv_cache.pool,
+                kv_cache.layer,
+                block_tables=batch.block_tables[:nd],
+                seq_lens=batch.seq_lens[:nd],
+                scale=scale,
+            )
+        )
+    if q.shape[0] > nd:
+        parts.append(
+            paged_attention_prefill(
+                q[nd:],
+                kv_cache.key,
+                kv_cache.value,
+                block_tables=batch.block_tables[nd:],
+                cu_seqlens_q=batch.prefill_cu_seqlens,
+                seq_lens=batch.seq_lens[nd:],
+                scale=scale,
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class Attention(nn.Module):
     # What an FP8 KV cache holds of k and v: k / k_scale, v / v_scale (the loader sets them).
     k_scale: float = 1.0
@@ -123,32 +156,7 @@ class Attention(nn.Module):
         # Through (pool, layer): a step the compiled path traces writes the pool in place.
         store_kv_pooled(k, v, kv_cache.pool, kv_cache.layer, batch.slot_mapping)
 
-        nd = batch.num_decode
-        parts = []
-        if nd:
-            parts.append(
-                attention_decode_pooled(
-                    q[:nd],
-                    kv_cache.pool,
-                    kv_cache.layer,
-                    block_tables=batch.block_tables[:nd],
-                    seq_lens=batch.seq_lens[:nd],
-                    scale=scale,
-                )
-            )
-        if num_tokens > nd:
-            parts.append(
-                paged_attention_prefill(
-                    q[nd:],
-                    kv_cache.key,
-                    kv_cache.value,
-                    block_tables=batch.block_tables[nd:],
-                    cu_seqlens_q=batch.prefill_cu_seqlens,
-                    seq_lens=batch.seq_lens[nd:],
-                    scale=scale,
-                )
-            )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = paged_attention(q, batch, kv_cache, scale)
         if v_scale != 1.0:
             out = out * v_scale
         if gate is not None:

@@ -1,9 +1,15 @@
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5): in_proj -> causal conv over q|k|v -> gated delta rule
--> per-head RMSNorm gated by z -> out_proj.
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and Kimi Delta Attention: in_proj ->
+causal conv over q|k|v -> gated delta rule -> per-head RMSNorm gated by z -> out_proj.
 
     in_proj rows:     q (key_dim) | k (key_dim) | v (value_dim) | z (value_dim)
     in_proj_ba rows:  b (Hv) | a (Hv)
     beta = sigmoid(b),   g = -exp(A_log) * softplus(a + dt_bias)   (per value head)
+
+Kimi Delta Attention (`per_channel_decay`) decays each key channel on its own and gates the
+output through a sigmoid, both from low-rank projections (layers/low_rank.py):
+
+    in_proj rows:     q | k | v;     b_proj rows: b (Hv);     z = gate(x)
+    g = -exp(A_log) * softplus(forget(x) + dt_bias)             (per value head and key channel)
 
 The two are separate layers because FP8 checkpoints quantize the first and keep the second
 (small, and feeding the decay) in bfloat16: one fused matrix of both could not stay FP8.
@@ -36,6 +42,7 @@ from hybridserve.workers.layers.linear import (
     new_param,
     section_ranges,
 )
+from hybridserve.workers.layers.low_rank import LowRankAdapter
 from hybridserve.workers.models.config import GatedDeltaNetSpec
 from hybridserve.workers.runner.forward_batch import ForwardBatch, RecurrentLayer
 
@@ -64,23 +71,32 @@ class GatedDeltaNet(nn.Module):
         qkv = [(key_rows, key_dim), (key_rows, key_dim), (value_rows, value_dim)]
         conv_rows = section_ranges(qkv)
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        gate = [] if spec.per_channel_decay else [(value_rows, value_dim)]
         self.in_proj = ColumnParallelLinear(
-            hidden_size, section_ranges([*qkv, (value_rows, value_dim)]), False, dtype, device
+            hidden_size, section_ranges([*qkv, *gate]), False, dtype, device
         )
+        ba = [(head_rows, value_heads)] * (1 if spec.per_channel_decay else 2)
         self.in_proj_ba = ColumnParallelLinear(
-            hidden_size,
-            section_ranges([(head_rows, value_heads), (head_rows, value_heads)]),
-            False,
-            dtype,
-            device,
+            hidden_size, section_ranges(ba), False, dtype, device
         )
+        decays = self.num_value_heads  # per value head, or per value head and key channel
+        self.gate: LowRankAdapter | None = None
+        self.forget: LowRankAdapter | None = None
+        if spec.per_channel_decay:
+            decays *= spec.key_head_dim
+            decay_rows = [(parallel.tp_rank * decays, decays)]
+            rank = spec.key_head_dim
+            self.gate = LowRankAdapter(hidden_size, rank, [value_rows], dtype, device)
+            self.forget = LowRankAdapter(hidden_size, rank, decay_rows, dtype, device)
         self.conv_weight = mark_shard(
             new_param(self.conv_dim, 1, spec.conv_kernel, dtype=dtype, device=device),
             0,
             conv_rows,
         )
         self.dt_bias = mark_shard(
-            new_param(self.num_value_heads, dtype=dtype, device=device), 0, [head_rows]
+            new_param(decays, dtype=dtype, device=device),
+            0,
+            [(parallel.tp_rank * decays, decays)],
         )
         self.A_log = mark_shard(
             new_param(self.num_value_heads, dtype=dtype, device=device), 0, [head_rows]
@@ -96,10 +112,16 @@ class GatedDeltaNet(nn.Module):
         spec = self.spec
         num_tokens = hidden.shape[0]
         heads, value_head_dim = self.num_value_heads, spec.value_head_dim
-        qkv, z = self.in_proj(hidden).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).split([heads, heads], dim=-1)
+        A = torch.exp(self.A_log.float())
+        if self.gate is not None and self.forget is not None:  # per-channel decay
+            qkv, z, b = self.in_proj(hidden), self.gate(hidden), self.in_proj_ba(hidden)
+            decays = self.forget(hidden).float() + self.dt_bias.float()
+            g = -A[:, None] * F.softplus(decays.view(num_tokens, heads, spec.key_head_dim))
+        else:
+            qkv, z = self.in_proj(hidden).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(hidden).split([heads, heads], dim=-1)
+            g = -A * F.softplus(a.float() + self.dt_bias)
         beta = b.sigmoid() if spec.beta_scale == 1.0 else b.sigmoid() * spec.beta_scale
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
         conv_weight = self.conv_weight[:, 0, :]
 
         def heads_of(mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -141,8 +163,9 @@ class GatedDeltaNet(nn.Module):
                 )
             )
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # (T, heads, Dv)
-        # Normalised per value head, then gated: RMSNorm(y) * silu(z).
+        # Normalised per value head, then gated: RMSNorm(y) * silu(z) (sigmoid(z) for KDA).
         normed = rms_norm(y, self.norm_weight, spec.norm_eps)
-        gate = F.silu(z.reshape(num_tokens, heads, value_head_dim).float())
+        z = z.reshape(num_tokens, heads, value_head_dim).float()
+        gate = z.sigmoid() if spec.per_channel_decay else F.silu(z)
         out = (normed.float() * gate).to(hidden.dtype)
         return self.out_proj(out.reshape(num_tokens, self.value_dim))

@@ -137,6 +137,54 @@ def stacked_gate_up(prefix: str, gate: str, up: str, num_experts: int, size: int
     return [[WeightSource(f"{prefix}.gate_up_proj")], per_expert]
 
 
+@dataclass(frozen=True)
+class FfnNames:
+    """Where a checkpoint format keeps a feed-forward block's tensors, relative to the block:
+    a dense MLP's, and a routed MoE's (router, its score bias, experts, shared expert)."""
+
+    gate: str = "gate_proj.weight"
+    up: str = "up_proj.weight"
+    down: str = "down_proj.weight"
+    router: str = "gate.weight"
+    score_bias: str | None = None
+    experts: str = "experts"
+    expert_gate: str = "gate_proj.weight"
+    expert_up: str = "up_proj.weight"
+    expert_down: str = "down_proj.weight"
+    shared: str | None = None  # the shared expert's module (with gate / up / down as above)
+    shared_gate: str | None = None
+
+
+def ffn_sources(config: HybridModelConfig, ffn: str, param: str, names: FfnNames) -> Alternatives:
+    """An FFN sublayer's parameter (`gate_up_proj.weight`, `router.weight`, `experts.up`,
+    ...) in a format that names its tensors `names`, under the block `ffn`."""
+    if param in ("gate_up_proj.weight", "shared.gate_up_proj.weight"):
+        mlp = config.mlp if param == "gate_up_proj.weight" else config.moe and config.moe.shared
+        assert mlp is not None
+        owner = ffn if param == "gate_up_proj.weight" else f"{ffn}.{names.shared}"
+        size = mlp.intermediate_size
+        return [gate_and_up(f"{owner}.{names.gate}", f"{owner}.{names.up}", size)]
+    if param == "down_proj.weight":
+        return single(f"{ffn}.{names.down}")
+    if param == "shared.down_proj.weight":
+        return single(f"{ffn}.{names.shared}.{names.down}")
+    moe = config.moe
+    assert moe is not None
+    named = {
+        "router.weight": names.router,
+        "router.score_bias": names.score_bias,
+        "shared_gate.weight": names.shared_gate,
+    }
+    if param in named:
+        return single(f"{ffn}.{named[param]}")
+    experts = f"{ffn}.{names.experts}"
+    if param == "experts.up":
+        gate, up = names.expert_gate, names.expert_up
+        return stacked_gate_up(experts, gate, up, moe.num_experts, moe.intermediate_size)
+    assert param == "experts.down", param
+    return stacked_experts(experts, "down_proj", names.expert_down, moe.num_experts)
+
+
 def check_mamba(
     reader: ConfigReader,
     spec: MambaSpec,

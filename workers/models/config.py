@@ -45,6 +45,7 @@ Architecture = Literal[
     "falcon_h1",
     "jamba",
     "zamba2",
+    "kimi_linear",
 ]
 
 
@@ -161,6 +162,10 @@ class GatedDeltaNetSpec(_Frozen):
     # beta = beta_scale * sigmoid(b): 2 lets the state transition's eigenvalues go negative
     # (OLMo-Hybrid's `linear_allow_neg_eigval`).
     beta_scale: float = 1.0
+    # Kimi Delta Attention: the decay per key channel, g = -exp(A_log) * softplus(f(x) +
+    # dt_bias) with f low-rank (rank key_head_dim) and a dt bias per channel; the output gate
+    # low-rank too, through a sigmoid (Gated DeltaNet: z from in_proj, through silu).
+    per_channel_decay: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -217,6 +222,22 @@ class RopeSpec(_Frozen):
     rotary_dim: int
 
 
+class LatentKVSpec(_Frozen):
+    """Multi-head latent attention (Kimi Linear, after DeepSeek-V2): each token's keys and
+    values are one shared latent, kv_a(x) = c (`kv_lora_rank`, RMS-normed) | k_rope
+    (`qk_rope_head_dim`), and that latent is what the KV cache holds (one "head" of their
+    width, one plane: V is K). Per head, kv_b expands c into k_nope (`qk_nope_head_dim`) and v
+    (`v_head_dim`); queries (from q_proj, or q_a -> norm -> q_b with `q_lora_rank`) are
+    k_nope's width plus the rope part."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    norm_eps: float = 1e-6
+
+
 class AttentionSpec(_Frozen):
     num_heads: int
     num_kv_heads: int
@@ -234,6 +255,8 @@ class AttentionSpec(_Frozen):
     # The width q, k and v project from, where it is not the hidden size (Zamba2's shared
     # blocks attend over [hidden | embeddings], twice the hidden size).
     input_size: int | None = None
+    # Latent attention: num_kv_heads is 1 and head_dim the latent's width (the cache's shape).
+    latent: LatentKVSpec | None = None
 
 
 class MLPSpec(_Frozen):
@@ -372,6 +395,11 @@ class HybridModelConfig(_Frozen):
     @property
     def num_attention_layers(self) -> int:
         return len(self.attention_layer_ids)
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the KV pool: K and V, or the latent alone."""
+        return 1 if self.attention is not None and self.attention.latent is not None else 2
 
     @property
     def num_mtp_attention_layers(self) -> int:

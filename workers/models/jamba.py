@@ -17,14 +17,13 @@ import math
 
 from hybridserve.workers.models.adapter import (
     Alternatives,
+    FfnNames,
     ModelFamily,
     attention_spec,
-    gate_and_up,
+    ffn_sources,
     model_sources,
     single,
     split_layer_name,
-    stacked_experts,
-    stacked_gate_up,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
@@ -35,6 +34,7 @@ from hybridserve.workers.models.config import (
     MoESpec,
 )
 
+_FFN = FfnNames(router="router.weight")
 _MAMBA_RENAMES = {
     "conv_weight": "conv1d.weight",
     "conv_bias": "conv1d.bias",
@@ -146,26 +146,7 @@ class JambaAdapter:
             return single(f"{layer}.{'pre_ff_layernorm' if is_ffn else 'input_layernorm'}.weight")
         param = rest.removeprefix("op.")
         if is_ffn:
-            return self._ffn_sources(config, f"{layer}.feed_forward", param)
+            return ffn_sources(config, f"{layer}.feed_forward", param, _FFN)
         if config.layer_kinds[2 * index] == "attention":
             return single(f"{layer}.self_attn.{param}")
         return single(f"{layer}.mamba.{_MAMBA_RENAMES.get(param, param)}")
-
-    @staticmethod
-    def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
-        if param == "gate_up_proj.weight":
-            assert config.mlp is not None
-            size = config.mlp.intermediate_size
-            return [gate_and_up(f"{ffn}.gate_proj.weight", f"{ffn}.up_proj.weight", size)]
-        if param == "down_proj.weight":
-            return single(f"{ffn}.down_proj.weight")
-        moe = config.moe
-        assert moe is not None
-        if param == "router.weight":
-            return single(f"{ffn}.router.weight")
-        experts = f"{ffn}.experts"
-        if param == "experts.up":
-            gate, up = "gate_proj.weight", "up_proj.weight"
-            return stacked_gate_up(experts, gate, up, moe.num_experts, moe.intermediate_size)
-        assert param == "experts.down", param
-        return stacked_experts(experts, "down_proj", "down_proj.weight", moe.num_experts)

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 from hybridserve.workers.models.adapter import (
     Alternatives,
+    FfnNames,
     ModelFamily,
     attention_spec,
-    gate_and_up,
+    ffn_sources,
     model_sources,
     single,
     split_layer_name,
-    stacked_experts,
-    stacked_gate_up,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
@@ -38,6 +37,15 @@ from hybridserve.workers.models.config import (
 )
 
 _MIXERS: dict[str, LayerKind] = {"conv": "short_conv", "full_attention": "attention"}
+_FFN = FfnNames(
+    gate="w1.weight",
+    up="w3.weight",
+    down="w2.weight",
+    score_bias="expert_bias",
+    expert_gate="w1.weight",
+    expert_up="w3.weight",
+    expert_down="w2.weight",
+)
 _ATTENTION_RENAMES = {
     "o_proj.weight": "out_proj.weight",
     "q_norm.weight": "q_layernorm.weight",
@@ -186,28 +194,8 @@ class Lfm2Adapter:
             return single(f"{layer}.{'ffn_norm' if is_ffn else 'operator_norm'}.weight")
         param = rest.removeprefix("op.")
         if is_ffn:
-            return self._ffn_sources(config, f"{layer}.feed_forward", param)
+            return ffn_sources(config, f"{layer}.feed_forward", param, _FFN)
         if config.layer_kinds[2 * index] == "attention":
             return single(f"{layer}.self_attn.{_ATTENTION_RENAMES.get(param, param)}")
         renames = {"conv_weight": "conv.weight", "conv_bias": "conv.bias"}
         return single(f"{layer}.conv.{renames.get(param, param)}")
-
-    @staticmethod
-    def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
-        if param == "gate_up_proj.weight":
-            assert config.mlp is not None
-            size = config.mlp.intermediate_size
-            return [gate_and_up(f"{ffn}.w1.weight", f"{ffn}.w3.weight", size)]
-        if param == "down_proj.weight":
-            return single(f"{ffn}.w2.weight")
-        moe = config.moe
-        assert moe is not None
-        if param == "router.weight":
-            return single(f"{ffn}.gate.weight")
-        if param == "router.score_bias":
-            return single(f"{ffn}.expert_bias")
-        if param == "experts.up":
-            experts, size = moe.num_experts, moe.intermediate_size
-            return stacked_gate_up(f"{ffn}.experts", "w1.weight", "w3.weight", experts, size)
-        assert param == "experts.down", param
-        return stacked_experts(f"{ffn}.experts", "down_proj", "w2.weight", moe.num_experts)

@@ -28,14 +28,13 @@ from hybridserve.workers.models.adapter import (
     LAYER_NAME,
     MTP_LAYER_NAME,
     Alternatives,
+    FfnNames,
     ModelFamily,
     WeightSource,
     attention_spec,
-    gate_and_up,
+    ffn_sources,
     gated_deltanet_spec,
     single,
-    stacked_experts,
-    stacked_gate_up,
 )
 from hybridserve.workers.models.config import (
     ConfigReader,
@@ -50,6 +49,7 @@ from hybridserve.workers.models.config import (
 _MIXERS: dict[str, LayerKind] = {"linear_attention": "gdn", "full_attention": "attention"}
 # The model's own weights sit under either prefix (text checkpoints, image-text checkpoints).
 _PREFIXES = ("model", "model.language_model")
+_FFN = FfnNames(shared="shared_expert", shared_gate="shared_expert_gate.weight")
 _ZERO_CENTRED = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 
 
@@ -235,7 +235,7 @@ class Qwen3NextAdapter:
             return [[WeightSource(f"{layer}.{norm}.weight", transform=_plus_one)]]
         param = rest.removeprefix("op.")
         if is_ffn:
-            return self._ffn_sources(config, f"{layer}.mlp", param)
+            return ffn_sources(config, f"{layer}.mlp", param, _FFN)
         if mixer == "attention":
             if param in ("q_norm.weight", "k_norm.weight"):
                 return [[WeightSource(f"{layer}.self_attn.{param}", transform=_plus_one)]]
@@ -268,34 +268,6 @@ class Qwen3NextAdapter:
                 [WeightSource(f"{mixer}.in_proj_ba.weight", ba_rows)],
             ]
         return single(f"{mixer}.{renames.get(param, param)}")
-
-    @staticmethod
-    def _ffn_sources(config: HybridModelConfig, ffn: str, param: str) -> Alternatives:
-        def gate_up(owner: str, size: int, expert: int | None = None) -> list[WeightSource]:
-            return gate_and_up(f"{owner}.gate_proj.weight", f"{owner}.up_proj.weight", size, expert)
-
-        if param == "gate_up_proj.weight":  # a dense layer's MLP
-            assert config.mlp is not None
-            return [gate_up(ffn, config.mlp.intermediate_size)]
-        if param == "down_proj.weight":
-            return single(f"{ffn}.down_proj.weight")
-        moe = config.moe
-        assert moe is not None
-        if param == "router.weight":
-            return single(f"{ffn}.gate.weight")
-        if param == "shared_gate.weight":
-            return single(f"{ffn}.shared_expert_gate.weight")
-        if param == "shared.gate_up_proj.weight":
-            assert moe.shared is not None
-            return [gate_up(f"{ffn}.shared_expert", moe.shared.intermediate_size)]
-        if param == "shared.down_proj.weight":
-            return single(f"{ffn}.shared_expert.down_proj.weight")
-        experts = f"{ffn}.experts"
-        if param == "experts.up":
-            gate, up = "gate_proj.weight", "up_proj.weight"
-            return stacked_gate_up(experts, gate, up, moe.num_experts, moe.intermediate_size)
-        assert param == "experts.down", param
-        return stacked_experts(experts, "down_proj", "down_proj.weight", moe.num_experts)
 
 
 def _fused_rows(spec: GatedDeltaNetSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from hybridserve.workers.models.config import ConfigError
 from hybridserve.workers.models.falcon_h1 import FalconH1Adapter
 from hybridserve.workers.models.granite_moe_hybrid import GraniteMoeHybridAdapter
 from hybridserve.workers.models.jamba import JambaAdapter
+from hybridserve.workers.models.kimi_linear import KimiLinearAdapter
 from hybridserve.workers.models.lfm2 import Lfm2Adapter
 from hybridserve.workers.models.nemotron_h import NemotronHAdapter
 from hybridserve.workers.models.olmo_hybrid import OlmoHybridAdapter
@@ -26,6 +27,7 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
         FalconH1Adapter(),
         JambaAdapter(),
         Zamba2Adapter(),
+        KimiLinearAdapter(),
     )
     for model_type in adapter.model_types
 }

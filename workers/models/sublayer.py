@@ -11,6 +11,7 @@ from torch import nn
 from hybridserve.workers.executors.parallel import ParallelContext
 from hybridserve.workers.layers.attention import Attention
 from hybridserve.workers.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.workers.layers.latent_attention import LatentAttention
 from hybridserve.workers.layers.mamba1_mixer import Mamba1Mixer
 from hybridserve.workers.layers.mamba_mixer import MambaMixer
 from hybridserve.workers.layers.mlp import MLP
@@ -68,6 +69,15 @@ class Sublayer(nn.Module):
         elif kind == "short_conv":
             assert config.short_conv is not None
             self.op = ShortConv(config.short_conv, hidden, parallel, dtype, device)
+        elif kind == "attention" and config.attention and config.attention.latent:
+            self.op = LatentAttention(
+                config.attention,
+                hidden,
+                config.max_position_embeddings,
+                parallel,
+                dtype,
+                device,
+            )
         elif kind == "attention":
             assert config.attention is not None
             self.op = Attention(

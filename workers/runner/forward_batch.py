@@ -74,7 +74,8 @@ class StateCaches:
 
     def kv_layer(self, index: int) -> KVLayer:
         assert self.kv is not None
-        return KVLayer(self.kv[:, index, 0], self.kv[:, index, 1], self.kv, index)
+        # The last plane is V; a latent cache has one plane, its V being its K.
+        return KVLayer(self.kv[:, index, 0], self.kv[:, index, -1], self.kv, index)
 
     def recurrent_layer(self, index: int) -> RecurrentLayer:
         views = {name: pool[:, index] for name, pool in self.state.items()}

@@ -100,6 +100,12 @@ class ModelRunner:
         self.device = resolve_device(config.device, index)
         self.dtype = model_dtype(config)
         self.model_config: HybridModelConfig = checkpoint.config
+        attention = self.model_config.attention
+        if attention and attention.latent and config.kv_cache_dtype == "fp8":
+            raise ValueError(
+                "kv_cache_dtype='fp8' is not supported for latent attention (this model's KV "
+                "cache holds latents, kept in the model's dtype); use kv_cache_dtype='auto'"
+            )
         # Speculative decoding with the checkpoint's multi-token-prediction layers: they load,
         # and their attention layers take KV layers after the model's own.
         self.uses_mtp = config.runs_mtp_layers
@@ -145,12 +151,13 @@ class ModelRunner:
         )
 
     def kv_bytes_per_block(self) -> int:
-        """One block of this rank's KV pool: every KV layer, K and V, its KV heads."""
+        """One block of this rank's KV pool: every KV layer, K and V (or the latent), its KV
+        heads."""
         spec = self.model_config.attention
         if spec is None:
             return 0
         heads = local_kv_heads(spec, self.parallel.tp_size)
-        elems = 2 * self.block_size * heads * spec.head_dim
+        elems = self.model_config.kv_planes * self.block_size * heads * spec.head_dim
         return self.num_kv_layers * elems * kv_cache_dtype(self.config).itemsize
 
     def pool_sizes(self, max_model_len: int) -> PoolSizes:
@@ -198,7 +205,7 @@ class ModelRunner:
                 (
                     sizes.num_kv_blocks,
                     self.num_kv_layers,
-                    2,
+                    cfg.kv_planes,
                     local_kv_heads(cfg.attention, tp),
                     self.block_size,
                     cfg.attention.head_dim,

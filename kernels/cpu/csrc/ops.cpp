@@ -198,8 +198,9 @@ at::Tensor conv_update_(at::Tensor conv_pool, int64_t layer, const at::Tensor &x
     return y.to(x.scalar_type());
 }
 
-/* kv_pool: (num_blocks, num_layers, 2, Hkv, block_size, D); key, value: (T, Hkv, D) into the
-   positions slot_mapping names (block * block_size + offset; -1: a padding token). */
+/* kv_pool: (num_blocks, num_layers, planes, Hkv, block_size, D); key, value: (T, Hkv, D) into
+   the positions slot_mapping names (block * block_size + offset; -1: a padding token). Two
+   planes hold K and V; one (a latent cache, where V is K) holds the key alone. */
 void store_kv_(at::Tensor kv_pool, int64_t layer, const at::Tensor &key, const at::Tensor &value,
                const at::Tensor &slot_mapping) {
     const int64_t T = key.size(0), Hkv = key.size(1), D = key.size(2);
@@ -219,7 +220,8 @@ void store_kv_(at::Tensor kv_pool, int64_t layer, const at::Tensor &key, const a
                                                : x.to(dtype);
         };
         pool.index_put_({blocks, 0, Slice(), offsets}, cast(key.index_select(0, keep)));
-        pool.index_put_({blocks, 1, Slice(), offsets}, cast(value.index_select(0, keep)));
+        if (kv_pool.size(2) > 1)
+            pool.index_put_({blocks, 1, Slice(), offsets}, cast(value.index_select(0, keep)));
         return;
     }
     const at::Tensor k = key.contiguous().to(at::kFloat), v = value.contiguous().to(at::kFloat);
@@ -228,24 +230,26 @@ void store_kv_(at::Tensor kv_pool, int64_t layer, const at::Tensor &key, const a
     const int64_t block_stride = kv_pool.stride(0), part_stride = kv_pool.stride(2);
     const int64_t head_stride = kv_pool.stride(3), offset_stride = kv_pool.stride(4);
     const float *parts[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
+    const int64_t planes = kv_pool.size(2);
     for (int64_t t = 0; t < T; ++t) {
         if (ids[t] < 0) continue;
         float *at = base + ids[t] / block_size * block_stride + ids[t] % block_size * offset_stride;
-        for (int64_t part = 0; part < 2; ++part)
+        for (int64_t part = 0; part < planes; ++part)
             for (int64_t h = 0; h < Hkv; ++h)
                 std::memcpy(at + part * part_stride + h * head_stride,
                             parts[part] + (t * Hkv + h) * D, sizeof(float) * D);
     }
 }
 
-/* kv_pool: (num_blocks, num_layers, 2, Hkv, block_size, D); q: (rows, H, D);
-   block_tables: (rows, width); seq_lens: (rows,). Returns (rows, H, D) fp32. */
+/* kv_pool: (num_blocks, num_layers, planes, Hkv, block_size, D) (the last plane is V: with
+   one, V is K); q: (rows, H, D); block_tables: (rows, width); seq_lens: (rows,). Returns
+   (rows, H, D) fp32. */
 at::Tensor attention_decode(const at::Tensor &q, const at::Tensor &kv_pool, int64_t layer,
                             const at::Tensor &block_tables, const at::Tensor &seq_lens,
                             double scale) {
     TORCH_CHECK(attention_decode_kernel,
                 "hybridserve::attention_decode: the C kernel is not bound");
-    at::Tensor blocks = kv_pool.select(1, layer);  // (num_blocks, 2, Hkv, block_size, D)
+    at::Tensor blocks = kv_pool.select(1, layer);  // (num_blocks, planes, Hkv, block_size, D)
     at::Tensor tables = block_tables.contiguous().to(at::kLong);
     if (blocks.scalar_type() != at::kFloat || !blocks[0][0].is_contiguous()) {
         // The blocks the tables name, in fp32, and the tables renumbered to them.
@@ -253,7 +257,7 @@ at::Tensor attention_decode(const at::Tensor &q, const at::Tensor &kv_pool, int6
         blocks = blocks.index_select(0, named).to(at::kFloat).contiguous();
         tables = inverse.view_as(tables).contiguous();
     }
-    const at::Tensor key = blocks.select(1, 0), value = blocks.select(1, 1);
+    const at::Tensor key = blocks.select(1, 0), value = blocks.select(1, blocks.size(1) - 1);
     const at::Tensor qs = q.contiguous().to(at::kFloat);
     const at::Tensor lens = seq_lens.contiguous().to(at::kLong);
     const int64_t rows = q.size(0), H = q.size(1), D = q.size(2);

@@ -212,6 +212,26 @@ JAMBA = """\
 {%- endfor %}
 {%- if add_generation_prompt %}<|bom|><|assistant|>{% endif %}"""
 
+# Kimi Linear (Kimi K2's format): role markers, tools as JSON in the system turn, a section of
+# calls each named by its id `functions.NAME:INDEX`, tool answers in the tool's turn.
+KIMI = """\
+{%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>\
+{{ message.content or '' }}
+{%- if message.tool_calls %}<|tool_calls_section_begin|>
+{%- for call in message.tool_calls %}<|tool_call_begin|>{{ call.id }}\
+<|tool_call_argument_begin|>{{ call.function.arguments | tojson }}<|tool_call_end|>\
+{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>
+{%- elif message.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of \
+{{ message.tool_call_id }}
+{{ message.content }}<|im_end|>
+{%- else %}<|im_{{ 'user' if message.role == 'user' else 'system' }}|>{{ message.role }}\
+<|im_middle|>{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"""
+
 FAMILIES = {
     "qwen3_5": QWEN3_5,
     "qwen3_next": QWEN3_NEXT,
@@ -220,6 +240,7 @@ FAMILIES = {
     "lfm2": LFM2,
     "olmo_3": OLMO_3,
     "jamba": JAMBA,
+    "kimi": KIMI,
 }
 # The tool-call format and whether a reasoning parser is read from each template.
 EXPECTED_PARSERS = {
@@ -230,6 +251,7 @@ EXPECTED_PARSERS = {
     "lfm2": ("lfm2", False),
     "olmo_3": ("olmo3", False),
     "jamba": ("jamba", False),
+    "kimi": ("kimi_k2", False),
 }
 
 
@@ -251,6 +273,13 @@ def written(format_name: str, calls: list[tuple[str, dict]]) -> str:
         return f"<|tool_call_start|>[{', '.join(python)}]<|tool_call_end|>"
     if format_name == "olmo3":
         return "<function_calls>\n" + "\n".join(python) + "\n</function_calls>"
+    if format_name == "kimi_k2":
+        written_calls = "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}"
+            "<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)
+        )
+        return f"<|tool_calls_section_begin|>{written_calls}<|tool_calls_section_end|>"
     entries = json.dumps([{"name": n, "arguments": a} for n, a in calls])
     if format_name == "jamba":
         return f"<tool_calls>{entries}</tool_calls>"

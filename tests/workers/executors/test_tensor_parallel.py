@@ -71,6 +71,9 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Shared blocks over 2 ranks: their attention over [hidden | embeddings] and the
     # invocations' adapters split as the projections they add to.
     "zamba2": ("zamba2", {}),
+    # Kimi Delta Attention heads split with their per-channel decays; latent attention's
+    # heads split, its latent (and cache) on both ranks; experts over 2 ranks.
+    "kimi-linear": ("kimi_linear", {}),
 }
 RUNS = [
     ("nemotron-mqa", 2, False),
@@ -90,6 +93,7 @@ RUNS = [
     ("falcon-h1-1-group", 2, False),
     ("jamba", 2, True),
     ("zamba2", 2, False),
+    ("kimi-linear", 2, True),
 ]
 
 

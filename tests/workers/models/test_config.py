@@ -361,8 +361,9 @@ def test_unsupported_model_type_lists_the_supported_ones(model_type):
     assert error.field == "model_type"
     assert str(error) == (
         f"ckpt/config.json: field 'model_type': unsupported model type {model_type!r} "
-        "(supported: bamba, falcon_h1, granitemoehybrid, lfm2, lfm2_moe, nemotron_h, olmo_hybrid, "
-        "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next)"
+        "(supported: bamba, falcon_h1, granitemoehybrid, jamba, kimi_linear, lfm2, lfm2_moe, "
+        "nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, "
+        "qwen3_next, zamba2)"
     )
 
 

@@ -345,6 +345,10 @@ def native_unsupported(config: HybridModelConfig) -> str | None:
     kinds = sorted(set(config.layer_kinds) - NATIVE_LAYER_KINDS)
     if kinds:
         return f"{', '.join(kinds)} layers"
+    if config.gdn is not None and config.gdn.per_channel_decay:
+        return "Kimi Delta Attention layers (a decay per key channel)"
+    if config.attention is not None and config.attention.latent is not None:
+        return "latent attention layers"
     return None
 
 
