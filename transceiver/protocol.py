@@ -31,7 +31,8 @@ from hybridserve.transceiver.layout import PeerLayout
 # 4: SamplingState carries the n > 1 choices' seeds and first tokens, and first-token logprobs.
 # 5: links open with a Challenge; Hello carries a nonce and a proof of the deployment's secret.
 # 6: layouts describe recurrent state as a kind and its named tensors (any recurrent kind).
-PROTOCOL_VERSION = 7
+# 8: layouts carry the KV pool's planes (K and V, or a latent attention cache's one).
+PROTOCOL_VERSION = 8
 # The largest message accepted from an authenticated peer (a TransferRequest carries the
 # prompt): 64 MiB.
 MAX_MESSAGE_BYTES = 64 << 20

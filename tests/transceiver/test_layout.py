@@ -66,13 +66,14 @@ def layout(tp: int = 1, rank: int = 0, **full) -> PeerLayout:
                 (g["ssm_head_dim"], g["state_size"]),
             ),
         ),
+        kv_planes=g.get("kv_planes", 2),
     )
 
 
 def test_the_hash_is_pinned():
     """The canonical form is part of the protocol: changing it breaks every deployed peer, so
     it needs a PROTOCOL_VERSION bump, not a silent update of this value."""
-    assert layout().compatibility_hash() == "802773bca7860821fa7f382fdc3b7f88"
+    assert layout().compatibility_hash() == "8535a5661a0c00f8d225a66cfc489e86"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -89,6 +90,7 @@ def test_the_full_geometry_is_the_model_s_on_every_rank_even_with_replicated_sha
         "block_size": 16,
         "head_dim": 16,
         "kv_dtype": "torch.bfloat16",
+        "kv_planes": 2,
         "state_kind": "mamba2",
         "state_layers": 2,
         "state_tensors": [
@@ -131,6 +133,8 @@ def test_the_hash_is_equal_across_tensor_parallel_sizes_and_ranks(tp, rank):
         ({"conv_width": 2}, "[[64, 8], [32, 2], [32, 2]], [2]]"),
         ({"model_id": "another model"}, "model_id"),
         ({"kv_heads": 8}, "kv_heads: local 4 vs peer 8"),
+        # A latent attention cache: one plane where K and V make two.
+        ({"kv_planes": 1}, "kv_planes: local 2 vs peer 1"),
         ({"ssm_heads": 16}, "['ssm', 'torch.float32', [[16, 16]], [8, 16]]]"),
         ({"groups": 1}, "[[64, 8], [16, 1], [16, 1]], [3]]"),
         (

@@ -128,19 +128,19 @@ def test_every_message_type_is_covered_here():
 
 
 def test_the_wire_form_is_pinned():
-    """A msgpack map {"v": 7, "type": ..., fields...}: pinned bytes, so that a change to the wire
+    """A msgpack map {"v": 8, "type": ..., fields...}: pinned bytes, so that a change to the wire
     format is a deliberate protocol version bump, not an accident."""
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION == 8
     assert encode(TransferAck("r1")) == bytes.fromhex(
         "83"  # map of 3
-        "a176" "07"  # "v": 7
+        "a176" "08"  # "v": 8
         "a474797065" "ac7472616e736665725f61636b"  # "type": "transfer_ack"
         "aa726571756573745f6964" "a27231"  # "request_id": "r1"
     )  # fmt: skip
     plan = ReceivePlan("r", 1, [2], 3)
     assert from_dict(to_dict(plan)) == plan
     assert to_dict(plan) == {
-        "v": 7,
+        "v": 8,
         "type": "receive_plan",
         "request_id": "r",
         "held_blocks": 1,
@@ -154,7 +154,7 @@ def _wire(message) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("version", "shown"), [(6, "protocol version 6 is not 7"), (None, "protocol version None")]
+    ("version", "shown"), [(7, "protocol version 7 is not 8"), (None, "protocol version None")]
 )
 def test_another_protocol_version_is_refused(version, shown):
     data = _wire(TransferDone("r"))
