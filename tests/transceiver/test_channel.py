@@ -151,8 +151,8 @@ def test_an_oversized_frame_is_refused_without_reading_it(pair):
     [
         (b"\xc1\xc1\xc1", "not a msgpack message"),
         (b"\x93\x01\x02\x03", "expected a message object"),
-        (b"\x82\xa1v\x08\xa4type\xa4done", "protocol version 8"),
-        (b"\x82\xa1v\x07\xa4type\xa4exec", "unknown message type 'exec'"),
+        (b"\x82\xa1v\x09\xa4type\xa4done", "protocol version 9"),
+        (b"\x82\xa1v\x08\xa4type\xa4exec", "unknown message type 'exec'"),
     ],
 )
 def test_a_malformed_frame_raises_transfer_failed_naming_the_problem(pair, body, shown):
