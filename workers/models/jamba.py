@@ -45,7 +45,9 @@ _MAMBA_RENAMES = {
 }
 
 
-def _periodic(reader: ConfigReader, period_field: str, offset_field: str, default: tuple[int, int]):
+def _periodic(
+    reader: ConfigReader, period_field: str, offset_field: str, default: tuple[int, int]
+) -> list[bool]:
     """The layers i with i % period == offset."""
     period = reader.int(period_field, default[0])
     offset = reader.int(offset_field, default[1], minimum=0)

@@ -32,6 +32,7 @@ from hybridserve.workers.models.adapter import (
     single,
 )
 from hybridserve.workers.models.config import (
+    AttentionSpec,
     ConfigReader,
     HybridModelConfig,
     LayerKind,
@@ -123,7 +124,7 @@ class Zamba2Adapter:
         return spec
 
     @staticmethod
-    def _attention(reader: ConfigReader, hidden: int):
+    def _attention(reader: ConfigReader, hidden: int) -> AttentionSpec:
         heads = reader.int("num_attention_heads")
         head_dim = 2 * hidden // heads
         if head_dim * heads != 2 * hidden:

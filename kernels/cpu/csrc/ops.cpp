@@ -224,13 +224,14 @@ void store_kv_(at::Tensor kv_pool, int64_t layer, const at::Tensor &key, const a
             pool.index_put_({blocks, 1, Slice(), offsets}, cast(value.index_select(0, keep)));
         return;
     }
-    const at::Tensor k = key.contiguous().to(at::kFloat), v = value.contiguous().to(at::kFloat);
+    const int64_t planes = kv_pool.size(2);
+    const at::Tensor k = key.contiguous().to(at::kFloat);
+    const at::Tensor v = planes > 1 ? value.contiguous().to(at::kFloat) : k;  // one plane: K only
     const int64_t *ids = slot_ids.data_ptr<int64_t>();
     float *base = kv_pool.data_ptr<float>() + layer * kv_pool.stride(1);
     const int64_t block_stride = kv_pool.stride(0), part_stride = kv_pool.stride(2);
     const int64_t head_stride = kv_pool.stride(3), offset_stride = kv_pool.stride(4);
     const float *parts[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
-    const int64_t planes = kv_pool.size(2);
     for (int64_t t = 0; t < T; ++t) {
         if (ids[t] < 0) continue;
         float *at = base + ids[t] / block_size * block_stride + ids[t] % block_size * offset_stride;
