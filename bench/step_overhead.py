@@ -2,7 +2,8 @@
 32 and 256 running requests.
 
     python bench/step_overhead.py [--quick] [--running 1 2 32 256] [--modes eager compiled native]
-                                  [--device cpu|cuda] [--dtype ...] [--output ...]
+                                  [--device cpu|cuda] [--dtype ...] [--runner model|none]
+                                  [--output-len 48] [--output ...]
 
 One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small
 one) with prefix caching and Mamba snapshots on, as served. N requests with 64-token prompts
@@ -16,6 +17,11 @@ mode is one engine with one forward path before `eager` (`forward_paths`): `eage
 `compiled` (the compiled decode step), `native` (steps of up to eight decode rows as one C
 call: measured at those counts only, where it applies) and, on CUDA, `graphs` (decode steps
 replayed as CUDA graphs, the `cuda_graphs` path).
+
+`--runner none` measures the host alone: the engine's ranks are replaced by a stand-in that
+does no model work (every sampling chunk draws token 1), so `schedule` and `update` are what a
+running request costs the engine's own thread, reported per request too (`--output-len`
+lengthens the outputs, for costs that grow with a request's tokens).
 """
 
 from __future__ import annotations
@@ -32,9 +38,12 @@ import torch
 
 from hybridserve.bench.common import build_checkpoint, gemm_floor_ms, machine, write_result
 from hybridserve.workers import LLM, SamplingParams
+from hybridserve.workers.core.outputs import Sample
+from hybridserve.workers.core.step_plan import StepPlan
+from hybridserve.workers.runner.model_runner import RunnerOutput
 from hybridserve.workers.runner.paths.native import MAX_ROWS as MAX_NATIVE_ROWS
 
-PROMPT_LEN, OUTPUT_LEN = 64, 48
+PROMPT_LEN = 64
 
 
 class Timed:
@@ -58,10 +67,16 @@ class Timed:
         delattr(self.owner, self.name)  # the instance attribute shadowed the method
 
 
-def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
+def no_model(plan: StepPlan) -> RunnerOutput:
+    """The ranks' stand-in for `--runner none`: no model work; every sampling chunk draws
+    token 1."""
+    return RunnerOutput([None if c.sampling is None else Sample((1,)) for c in plan.chunks])
+
+
+def measure(llm: LLM, num_running: int, vocab: int, output_len: int) -> dict[str, Any]:
     engine = llm.engine
     gen = torch.Generator().manual_seed(num_running)
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(num_running):
         engine.add_request(torch.randint(1, vocab, (PROMPT_LEN,), generator=gen).tolist(), params)
     while len(engine.scheduler.running) < num_running or any(
@@ -75,7 +90,7 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
         "step": Timed(engine, "step"),
     }
     steps = 0
-    while all(r.num_output_tokens < OUTPUT_LEN - 1 for r in engine.scheduler.running):
+    while all(r.num_output_tokens < output_len - 1 for r in engine.scheduler.running):
         engine.step()
         steps += 1
     for timer in timers.values():
@@ -101,6 +116,7 @@ def measure(llm: LLM, num_running: int, vocab: int) -> dict[str, Any]:
         "execute_ms": ms["execute"],
         "schedule_ms": ms["schedule"],
         "update_ms": ms["update"],
+        "schedule_update_us_per_request": (ms["schedule"] + ms["update"]) * 1e3 / num_running,
         "other_ms": other,
         "outside_share": (ms["step"] - ms["execute"]) / ms["step"],
         "gemm_floor_ms": floor,
@@ -135,36 +151,48 @@ def main() -> None:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--runner",
+        choices=["model", "none"],
+        default="model",
+        help="none: no model work, the host alone (one engine, the first mode's)",
+    )
+    parser.add_argument("--output-len", type=int, default=48, help="tokens each request makes")
     parser.add_argument("--output", default="bench/results/step_overhead.json")
     args = parser.parse_args()
+    modes = args.modes[:1] if args.runner == "none" else args.modes
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_checkpoint(folder, quick=args.quick)
         most = max(args.running)
         results = []
-        for mode in args.modes:
+        max_model_len = PROMPT_LEN + args.output_len + 16
+        for mode in modes:
             with LLM(
                 str(folder),
                 max_num_seqs=most,
                 max_num_batched_tokens=max(2048, most),
-                max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-                num_kv_blocks=most * 8 + 64,
+                max_model_len=max_model_len,
+                num_kv_blocks=most * -(-max_model_len // 16) + 64,
                 forward_paths=MODE_PATHS[mode],
                 device=args.device,
                 dtype=args.dtype,
             ) as llm:
                 vocab = llm.engine.model_config.vocab_size
-                measure(llm, min(4, most), vocab)  # warm-up
+                if args.runner == "none":
+                    llm.engine.executor.execute = no_model  # type: ignore[method-assign]
+                measure(llm, min(4, most), vocab, args.output_len)  # warm-up
                 running = [n for n in args.running if mode != "native" or n <= MAX_NATIVE_ROWS]
-                results += [measure(llm, n, vocab) for n in running]
+                results += [measure(llm, n, vocab, args.output_len) for n in running]
     print(
         f"{'mode':>8} {'running':>8} {'step':>9} {'execute':>9} {'schedule':>9} {'update':>9} "
-        f"{'other':>8} {'outside':>8} {'GEMM floor':>11} {'step/floor':>10}"
+        f"{'s+u/req':>8} {'other':>8} {'outside':>8} {'GEMM floor':>11} {'step/floor':>10}"
     )
     for r in results:
         print(
             f"{r['mode']:>8} {r['running']:>8} {r['step_ms']:>7.2f}ms {r['execute_ms']:>7.2f}ms "
-            f"{r['schedule_ms']:>7.3f}ms {r['update_ms']:>7.3f}ms {r['other_ms']:>6.3f}ms "
+            f"{r['schedule_ms']:>7.3f}ms {r['update_ms']:>7.3f}ms "
+            f"{r['schedule_update_us_per_request']:>6.2f}us {r['other_ms']:>6.3f}ms "
             f"{r['outside_share']:>7.1%} {r['gemm_floor_ms']:>9.2f}ms "
             f"{r['step_over_floor']:>9.2f}x"
         )
@@ -175,6 +203,8 @@ def main() -> None:
             "quick": args.quick,
             "device": args.device,
             "dtype": args.dtype,
+            "runner": args.runner,
+            "output_len": args.output_len,
             "results": results,
         },
     )

@@ -17,7 +17,7 @@ the host tier or, with no copy left anywhere, has the coordinator drop its node.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hybridserve.workers.cache.block_pool import Block, BlockPool
 from hybridserve.workers.cache.host_tier import HostRegion
@@ -46,6 +46,11 @@ class AttentionBlockManager:
         # Called when a tree node is left with no page anywhere: it must leave the tree.
         self.on_unbacked = on_unbacked
         self._tables: dict[str, list[int]] = {}
+        # What the ranks do not know yet (they keep every table, runner/block_tables.py): per
+        # request, the first table entry changed since its last chunk, and the requests freed
+        # since the last plan.
+        self._changed_from: dict[str, int] = {}
+        self._released: list[str] = []
         # Host ids a running admission still reads from: never dropped meanwhile.
         self._pinned: set[int] = set()
 
@@ -66,9 +71,16 @@ class AttentionBlockManager:
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to cover `num_tokens`; the new block ids, or None (and no
         change) if the pool is short."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return []  # most steps of a decode
         new_ids = self.pool.allocate(self.num_blocks_needed(request_id, num_tokens))
-        if new_ids is not None:
-            self._tables.setdefault(request_id, []).extend(new_ids)
+        if new_ids:
+            table = self._tables.setdefault(request_id, [])
+            self._changed_from.setdefault(request_id, len(table))
+            table.extend(new_ids)
+        elif new_ids is not None and request_id not in self._tables:
+            self._set_table(request_id, [])
         return new_ids
 
     def can_take(self, nodes: Sequence[TreeNode], reused: int, num_tokens: int) -> bool:
@@ -110,7 +122,7 @@ class AttentionBlockManager:
                     pool.release([partly_used.block_id])  # type: ignore[list-item]
         finally:
             self._pinned = set()
-        self._tables[request_id] = [*(n.block_id for n in shared), *new_ids]  # type: ignore[misc]
+        self._set_table(request_id, [*(n.block_id for n in shared), *new_ids])  # type: ignore[misc]
         return new_ids
 
     def take_received(
@@ -125,7 +137,7 @@ class AttentionBlockManager:
             self.pool.acquire(node.block_id)  # type: ignore[arg-type]
         new_ids = self.pool.allocate(num_new)
         assert new_ids is not None
-        self._tables[request_id] = [*(n.block_id for n in held), *new_ids]  # type: ignore[misc]
+        self._set_table(request_id, [*(n.block_id for n in held), *new_ids])  # type: ignore[misc]
         return new_ids
 
     def fork(self, request_id: str, child_id: str, num_tokens: int) -> bool:
@@ -145,7 +157,7 @@ class AttentionBlockManager:
             self.pool.acquire(block_id)
         if num_rows:
             self.ops.append(CopyBlock(table[num_full], copy[0], num_rows))
-        self._tables[child_id] = [*table[:num_full], *copy]
+        self._set_table(child_id, [*table[:num_full], *copy])
         return True
 
     def _num_free_held(self, nodes: Iterable[TreeNode | None]) -> int:
@@ -189,6 +201,7 @@ class AttentionBlockManager:
         elif node.block_id != own:
             pool.acquire(node.block_id)
             table[index] = node.block_id
+            self._changed_from[request_id] = min(self._changed_from.get(request_id, index), index)
             pool.release([own])
 
     def _attach(self, node: TreeNode, block_id: int) -> None:
@@ -200,16 +213,38 @@ class AttentionBlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
 
+    def table_update(self, request_id: str) -> tuple[int, list[int]]:
+        """What the ranks lack of the request's table, for its next chunk: (the first entry
+        changed since its last chunk, the entries from there on); the table counts as sent."""
+        table = self._tables[request_id]
+        start = self._changed_from.pop(request_id, len(table))
+        return start, table[start:]
+
+    def take_released(self) -> list[str]:
+        """The requests freed since the last call: the ranks drop their tables."""
+        released, self._released = self._released, []
+        return released
+
+    def _set_table(self, request_id: str, table: list[int]) -> None:
+        self._tables[request_id] = table
+        self._changed_from[request_id] = 0
+
     def has_table(self, request_id: str) -> bool:
         return request_id in self._tables
 
     def rename(self, request_id: str, new_id: str) -> None:
-        self._tables[new_id] = self._tables.pop(request_id)
+        self._set_table(new_id, self._tables.pop(request_id))
+        self._changed_from.pop(request_id, None)
+        self._released.append(request_id)
 
     def free(self, request_id: str) -> None:
         # Deepest first: the pool reuses least recently released blocks first, so a prefix's
         # tail is evicted before its head.
-        self.pool.release(reversed(self._tables.pop(request_id, [])))
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.pool.release(reversed(table))
+            self._changed_from.pop(request_id, None)
+            self._released.append(request_id)
 
     # ---- eviction and the host tier --------------------------------------------------------
 
@@ -266,6 +301,20 @@ class AttentionBlockManager:
             self.host.touch(node.host_block_id)
 
     # ---- checks ---------------------------------------------------------------------------
+
+    def rank_table_problems(self, rank_tables: Mapping[str, list[int]]) -> list[str]:
+        """A rank's tables (runner/block_tables.py) against these: equal wherever no change
+        is waiting for the request's next chunk, and none for a request that is gone unless
+        its release is waiting for the next plan."""
+        problems = []
+        released = set(self._released)
+        for request_id, table in rank_tables.items():
+            mine = self._tables.get(request_id)
+            if mine is None and request_id not in released:
+                problems.append(f"a rank still holds the table of {request_id}, which is gone")
+            elif mine is not None and request_id not in self._changed_from and table != mine:
+                problems.append(f"a rank's table of {request_id} is {table}, not {mine}")
+        return problems
 
     def check_integrity(self, tree_nodes: Iterable[TreeNode]) -> list[str]:
         """Recount the pool against the tables; returns the tree-side problems found."""

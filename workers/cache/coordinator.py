@@ -253,15 +253,18 @@ class CacheCoordinator:
         request_id = request.request_id
         if reuse is not None and reuse.num_tokens > 0:
             return self._allocate_with_reuse(request, num_new_tokens, reuse)
-        needs_slot = not self.recurrent.has_slot(request_id)
-        if needs_slot and not self.recurrent.can_allocate():
-            return None
         num_tokens = request.num_computed_tokens + num_new_tokens
+        if self.recurrent.has_slot(request_id):
+            # A running request (every step of a decode): blocks only.
+            new_ids = self.attention.allocate(request_id, num_tokens)
+            if new_ids is None:
+                return None
+            return Allocation(new_ids, self.recurrent.live_slot(request_id))
+        if not self.recurrent.can_allocate():
+            return None
         new_ids = self.attention.allocate(request_id, num_tokens)
         if new_ids is None:
             return None
-        if not needs_slot:
-            return Allocation(new_ids, self.recurrent.live_slot(request_id))
         self._requests[request_id] = _RequestCache()
         if reuse is not None and self.prefix.enabled:
             self._record_lookup(reuse, request)
@@ -370,11 +373,15 @@ class CacheCoordinator:
     def commit(self, request: Request) -> None:
         """After a step advanced `request`: if it now sits on one of its snapshot points,
         publish its prompt blocks up to there and a snapshot of its live state."""
-        if not self.prefix.enabled or request.request_id not in self._requests:
+        position = request.num_computed_tokens
+        if (
+            not self.prefix.enabled
+            or position > request.num_prompt_tokens  # points lie inside the prompt
+            or request.request_id not in self._requests
+        ):
             return
         state = self._requests[request.request_id]
         points = request.expect_snapshot_points or []
-        position = request.num_computed_tokens
         limit = (
             min(max(points), request.num_prompt_tokens) if points else (request.num_prompt_tokens)
         )
@@ -488,6 +495,14 @@ class CacheCoordinator:
     def take_ops(self) -> list[CacheOp]:
         """The data moves decided since the last call, in order (for the next step plan)."""
         return self.ops.take()
+
+    def table_update(self, request_id: str) -> tuple[int, list[int]]:
+        """The part of the request's block table its next chunk carries: (from, entries)."""
+        return self.attention.table_update(request_id)
+
+    def take_released(self) -> list[str]:
+        """Requests whose block tables went since the last plan (the ranks drop theirs)."""
+        return self.attention.take_released()
 
     def _remove_subtree(self, node: TreeNode) -> None:
         """Take `node` and its descendants out of the tree, releasing every kind's pages. No

@@ -434,7 +434,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> RunnerOutput | None:
         """Run a plan on every rank; None if there was nothing to run or a rank failed (the
         engine is dead then)."""
-        if self.dead is not None or not (plan.chunks or plan.cache_ops):
+        if self.dead is not None or not (plan.chunks or plan.cache_ops or plan.released):
             return None
         try:
             return self.executor.execute(plan)
@@ -445,7 +445,8 @@ class Engine:
     def apply_decided_ops(self) -> None:
         """Apply the data moves the caches decided outside a step plan (cache ops decided in a
         step's update travel with the next plan; see workers/cache/ops.py)."""
-        self._execute(StepPlan(cache_ops=self.cache.take_ops()))
+        cache = self.cache
+        self._execute(StepPlan(cache_ops=cache.take_ops(), released=cache.take_released()))
 
     def _die(self, reason: str) -> None:
         """A rank failed: end every request with the reason; refuse new ones from now on."""
@@ -528,7 +529,12 @@ class Engine:
         self._publish_cache_events()
 
     def check_integrity(self) -> None:
-        """The caches' bookkeeping, and every rank against rank 0 (plans executed, pools)."""
+        """The caches' bookkeeping, rank 0's block tables against the coordinator's, and
+        every rank against rank 0 (plans executed, pools)."""
         self.cache.check_integrity()
         if self.dead is None:
+            tables = self.executor.driver.block_tables.as_mapping()
+            problems = self.cache.attention.rank_table_problems(tables)
+            if problems:
+                raise RuntimeError("block table check failed: " + "; ".join(problems[:5]))
             self.executor.check_ranks()

@@ -26,6 +26,7 @@ from hybridserve.workers.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridserve.workers.cache.coordinator import InFlightReuse
+    from hybridserve.workers.core.step_plan import SamplingRow
     from hybridserve.workers.core.structured_output import Grammar
     from hybridserve.workers.speculative.proposer import RequestSpeculation
 
@@ -90,6 +91,9 @@ class Request:
     # between steps), and the request's proposer state and acceptance counts.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: RequestSpeculation | None = None
+    # The row that samples its tokens once nothing about it changes from step to step (no
+    # grammar, penalties or min_tokens ban, no choices to fork): built once (scheduler).
+    sampling_row: SamplingRow | None = None
     # When it reached this engine, and how long it waited there before its prompt was first
     # scheduled (None until then): vLLM's queue time.
     arrival_time: float = field(default_factory=time.monotonic)

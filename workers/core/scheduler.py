@@ -37,13 +37,16 @@ from dataclasses import dataclass, field
 from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.core.outputs import FinishReason, Sample, TokenLogprobs
 from hybridserve.workers.core.request import Request, RequestStatus
-from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan, mix_seed
+from hybridserve.workers.core.sampling_params import SamplingParams
+from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
 from hybridserve.workers.speculative.proposer import Speculator
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+# Not frozen, for the reason ScheduledChunk is not (step_plan.py): one per running request per
+# step.
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # drafts included
@@ -119,16 +122,21 @@ class Scheduler:
         # The cache coordinator says where this pass's chunks must end, before every pass
         # (docs/snapshot-reuse.md).
         for request in (*self.running, *self.waiting):
-            if request.num_computed_tokens < request.num_prompt_tokens:
+            if request.num_computed_tokens < len(request.prompt_token_ids):
                 request.expect_snapshot_points = self.cache.snapshot_points(request)
         # 1. Running requests: decodes first, then unfinished chunks, each in admission order.
-        for request in sorted(self.running, key=lambda r: r.num_remaining_tokens > 1):
+        for request in sorted(self.running, key=_not_decoding):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self.chunk_size(request, budget, request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            if computed >= len(request.prompt_token_ids):
+                # Past the prompt (a decode, a recompute's outputs): no snapshot points.
+                num_new = min(len(request.token_ids) - computed, budget)
+            else:
+                num_new = self.chunk_size(request, budget, computed)
             if num_new and self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
         if self.speculator is not None:
@@ -163,7 +171,8 @@ class Scheduler:
             self.running.append(request)
             out.add(request, num_new)
         self.waiting.extendleft(reversed(held))
-        out.plan = StepPlan([self._chunk(s) for s in out.scheduled], self.cache.take_ops())
+        chunks = [self._chunk(s) for s in out.scheduled]
+        out.plan = StepPlan(chunks, self.cache.take_ops(), self.cache.take_released())
         return out
 
     def _add_drafts(self, out: SchedulerOutput) -> None:
@@ -235,24 +244,33 @@ class Scheduler:
         return False
 
     def _chunk(self, item: ScheduledRequest) -> ScheduledChunk:
+        # Built for every running request at every step: positional arguments and no
+        # property chains (docs/benchmarks.md, the host's cost per request).
         request = item.request
+        request_id = request.request_id
         start = request.num_computed_tokens
         end = start + item.num_new_tokens - item.num_draft_tokens
-        request_id = request.request_id
-        scores = request.scores_prompt and start < request.num_prompt_tokens - 1
-        rows = _sampling_rows(request, request.draft_token_ids) if item.samples else [None]
+        token_ids = request.token_ids
+        drafts = request.draft_token_ids
+        # A chunk that reaches the end of the known tokens samples the next one.
+        rows = _sampling_rows(request, drafts) if end == len(token_ids) else (None,)
+        table_from, block_ids = self.cache.table_update(request_id)
+        scores = request.sampling_params.prompt_logprobs
+        if scores is not None and start >= request.num_prompt_tokens - 1:
+            scores = None
         return ScheduledChunk(
-            request_id=request_id,
-            token_ids=request.token_ids[start:end] + request.draft_token_ids,
-            start=start,
-            block_ids=list(self.cache.block_table(request_id)),
-            slot=self.cache.live_slot(request_id),
-            sampling=rows[0],
-            prompt_logprobs=request.sampling_params.prompt_logprobs if scores else None,
+            request_id,
+            token_ids[start:end] + drafts if drafts else token_ids[start:end],
+            start,
+            block_ids,
+            self.cache.live_slot(request_id),
+            rows[0],
+            scores,
             # The token after the chunk: what its last row scores (prompt logprobs), and the
             # input of the MTP layers at its last position.
-            next_token_id=request.token_ids[end] if end < request.num_tokens else None,
-            draft_rows=tuple(rows[1:]),  # type: ignore[arg-type]
+            token_ids[end] if end < len(token_ids) else None,
+            tuple(rows[1:]),  # type: ignore[arg-type]
+            table_from,
         )
 
     def chunk_size(self, request: Request, budget: int, position: int) -> int:
@@ -263,7 +281,8 @@ class Scheduler:
         rounded down to whole blocks. A chunk ending at a point or at the end is never rounded.
         """
         remaining = request.num_tokens - position
-        if not self.cache.enabled:
+        if not self.cache.enabled or position >= request.num_prompt_tokens:
+            # Snapshot points lie inside the prompt: past it, whatever fits.
             return min(remaining, budget)
         points = request.expect_snapshot_points
         if points is None:
@@ -334,27 +353,29 @@ class Scheduler:
                 self._settle_drafts(request, item, sample)
                 changed.append(request)
                 continue
-            before = min(request.num_computed_tokens, request.num_prompt_tokens)
-            request.num_computed_tokens += item.num_new_tokens
-            after = min(request.num_computed_tokens, request.num_prompt_tokens)
-            self.num_prompt_tokens_computed += after - before
+            computed = request.num_computed_tokens
+            request.num_computed_tokens = computed + item.num_new_tokens
+            prompt_len = request.num_prompt_tokens
+            if computed < prompt_len:
+                self.num_prompt_tokens_computed += (
+                    min(request.num_computed_tokens, prompt_len) - computed
+                )
             self.cache.commit(request)
             if sample is None:
                 continue
-            logprobs = sample.logprobs or (None,) * len(sample.token_ids)
-            forks = list(zip(sample.token_ids[1:], logprobs[1:], strict=True))
-            if forks and self.fork_on_sample:
-                changed += self.fork(request, forks)
-            elif forks:
-                # Handed to the decode engine, which forks them and decides whether this
-                # first token ends the request (finish_receiving).
-                request.fork_token_ids = tuple(token for token, _ in forks)
-                request.fork_logprobs = tuple(lp for _, lp in forks)
+            tokens = sample.token_ids
+            logprobs = sample.logprobs or (None,) * len(tokens)
+            if len(tokens) > 1:
+                forks = list(zip(tokens[1:], logprobs[1:], strict=True))
+                if self.fork_on_sample:
+                    changed += self.fork(request, forks)
+                else:
+                    # Handed to the decode engine, which forks them and decides whether this
+                    # first token ends the request (finish_receiving).
+                    request.fork_token_ids = tokens[1:]
+                    request.fork_logprobs = logprobs[1:]
             self._append(
-                request,
-                sample.token_ids[0],
-                logprobs[0],
-                may_finish=not forks or self.fork_on_sample,
+                request, tokens[0], logprobs[0], may_finish=len(tokens) == 1 or self.fork_on_sample
             )
             changed.append(request)
         return changed
@@ -530,12 +551,27 @@ class Scheduler:
             request.error = error
 
 
+def _not_decoding(request: Request) -> bool:
+    """Sort key: decodes (one token left to compute) first."""
+    return len(request.token_ids) - request.num_computed_tokens > 1
+
+
 def _sampling_rows(request: Request, drafts: list[int]) -> list[SamplingRow]:
     """The row that samples `request`'s next token, then with drafts the row after each of
-    them: position, seed, banned stop tokens, penalties and grammar mask as if the drafts
-    before it stood."""
+    them: banned stop tokens, penalties and grammar mask as if the drafts before it stood
+    (the sampler mixes each row's seeds with the position it draws)."""
     params = request.sampling_params
     first = request.num_output_tokens
+    if (
+        request.grammar is None
+        and not params.uses_penalties
+        and first >= params.min_tokens
+        and not (first == 0 and request.choice_seeds)
+    ):
+        # Nothing about the row changes from step to step: one value serves them all.
+        if request.sampling_row is None:
+            request.sampling_row = _row(params, (request.sample_seed,))
+        return [request.sampling_row] * (len(drafts) + 1)
     penalised = params.uses_penalties
     outputs = request.output_token_ids + drafts if penalised else []
     prompt_ids = tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
@@ -545,27 +581,47 @@ def _sampling_rows(request: Request, drafts: list[int]) -> list[SamplingRow]:
     rows = []
     for offset, mask in enumerate(masks):
         position = first + offset
-        banned = tuple(request.stop_token_ids) if position < params.min_tokens else ()
         # The first draw of an n > 1 request also draws its other choices' first tokens.
-        seeds = (mix_seed(request.sample_seed, position),)
+        seeds = (request.sample_seed,)
         if position == 0 and request.choice_seeds:
-            seeds += tuple(mix_seed(seed, position) for seed in request.choice_seeds)
+            seeds += request.choice_seeds
         rows.append(
-            SamplingRow(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seeds=seeds,
-                min_p=params.min_p,
-                banned_token_ids=banned,
-                logit_bias=params.logit_bias,
-                presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty,
-                repetition_penalty=params.repetition_penalty,
+            _row(
+                params,
+                seeds,
+                banned_token_ids=(
+                    tuple(request.stop_token_ids) if position < params.min_tokens else ()
+                ),
                 output_token_ids=tuple(outputs[: len(outputs) - len(drafts) + offset]),
                 prompt_token_ids=prompt_ids,
                 allowed_token_bitmask=mask,
-                num_logprobs=params.logprobs,
             )
         )
     return rows
+
+
+def _row(
+    params: SamplingParams,
+    seeds: tuple[int, ...],
+    *,
+    banned_token_ids: tuple[int, ...] = (),
+    output_token_ids: tuple[int, ...] = (),
+    prompt_token_ids: tuple[int, ...] = (),
+    allowed_token_bitmask: bytes | None = None,
+) -> SamplingRow:
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seeds=seeds,
+        min_p=params.min_p,
+        banned_token_ids=banned_token_ids,
+        logit_bias=params.logit_bias,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+        allowed_token_bitmask=allowed_token_bitmask,
+        num_logprobs=params.logprobs,
+    )

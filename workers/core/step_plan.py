@@ -6,9 +6,12 @@ anything: first the cache ops, in order, then one forward pass over the chunks.
 
     StepPlan
       cache_ops   data moves the cache managers decided since the last plan (ops.py)
+      released    requests whose block tables went since the last plan
       chunks      one per scheduled request:
                     token_ids  the tokens [start, start + n) to compute this step
-                    block_ids  its block table (token p lives in block p // block_size)
+                    block_ids  its block table from entry `table_from` on (token p lives in
+                               block p // block_size): a rank keeps every request's table,
+                               so a chunk carries only what changed since the request's last
                     slot       its live state slot (the state after `start` tokens)
                     sampling   how to sample its next token, when the chunk reaches the end
                                of the known tokens (None: a prompt chunk that does not)
@@ -30,7 +33,7 @@ import msgpack
 
 from hybridserve.workers.cache.ops import CacheOp, op_from_wire, op_to_wire
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 _MASK64 = (1 << 64) - 1
 
 
@@ -56,8 +59,9 @@ class SamplingRow:
     temperature: float
     top_p: float
     top_k: int | None
-    # One draw per seed, each already mixed with the output position: a request with n > 1
-    # choices draws its n first tokens from its prompt's last row (the fork, docs/sampling.md).
+    # One draw per seed (the sampler mixes each with the position of the token drawn): a
+    # request with n > 1 choices draws its n first tokens from its prompt's last row (the
+    # fork, docs/sampling.md).
     seeds: tuple[int, ...]
     min_p: float = 0.0
     banned_token_ids: tuple[int, ...] = ()  # stop tokens before min_tokens is reached
@@ -95,6 +99,10 @@ class ScheduledChunk:
     # draft_rows samples the position after draft j (its seed, mask and penalties as if the
     # drafts before it stood).
     draft_rows: tuple[SamplingRow, ...] = ()
+    # `block_ids` holds the table's entries from this one on: what changed since the
+    # request's last chunk. A rank fills in the rest before anything reads the chunk
+    # (runner/block_tables.py), so there `table_from` is 0 and `block_ids` the whole table.
+    table_from: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +131,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     cache_ops: list[CacheOp] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +141,7 @@ class StepPlan:
         return {
             "v": PLAN_VERSION,
             "ops": [op_to_wire(op) for op in self.cache_ops],
+            "released": self.released,
             "chunks": [
                 [
                     c.request_id,
@@ -143,6 +153,7 @@ class StepPlan:
                     c.prompt_logprobs,
                     c.next_token_id,
                     [_row_to_wire(row) for row in c.draft_rows],
+                    c.table_from,
                 ]
                 for c in self.chunks
             ],
@@ -164,6 +175,7 @@ class StepPlan:
                     prompt_logprobs=prompt_logprobs,
                     next_token_id=next_token_id,
                     draft_rows=tuple(_row_from_wire(r) for r in draft_rows),
+                    table_from=table_from,
                 )
                 for (
                     rid,
@@ -175,12 +187,14 @@ class StepPlan:
                     prompt_logprobs,
                     next_token_id,
                     draft_rows,
+                    table_from,
                 ) in data["chunks"]
             ]
             ops = [op_from_wire(op) for op in data["ops"]]
+            released = [str(request_id) for request_id in data["released"]]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed step plan: {exc}") from exc
-        return cls(chunks, ops)
+        return cls(chunks, ops, released)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(self.to_dict(), use_bin_type=True)

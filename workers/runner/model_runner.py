@@ -23,6 +23,7 @@ from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, Step
 from hybridserve.workers.executors.parallel import ParallelContext, local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
+from hybridserve.workers.runner.block_tables import BlockTables
 from hybridserve.workers.runner.cache_memory import CacheMemory
 from hybridserve.workers.runner.forward_batch import ForwardBatch, StateCaches
 from hybridserve.workers.runner.host_memory import place_on_huge_pages, zeroed_pool
@@ -126,6 +127,7 @@ class ModelRunner:
         self.max_blocks_per_seq = 0  # widest block table (pool_sizes)
         self.block_size = config.block_size
         self.sampler = Sampler()
+        self.block_tables = BlockTables()
         self.caches = StateCaches(None)
         self.memory: CacheMemory | None = None
         # The forward paths to try, in order; those that cannot serve this model, device or
@@ -260,6 +262,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> RunnerOutput | None:
         """Apply the plan's cache ops, run its chunks; the driver's result (None elsewhere)."""
         assert self.memory is not None, "allocate_pools() first"
+        self.block_tables.apply(plan)
         self.memory.apply(plan.cache_ops)
         if not plan.chunks:
             return RunnerOutput([]) if self.parallel.is_driver else None
@@ -328,6 +331,7 @@ class ModelRunner:
         sample_positions: list[int] = []
         sample_rows: list[int] = []
         rows: list[SamplingRow] = []
+        positions: list[int] = []  # per row, the index of the token it draws
         drafts: list[int | None] = []
         for position, (chunk, (first, last)) in enumerate(zip(items, row_ranges, strict=True)):
             if chunk.prompt_logprobs is not None:
@@ -343,6 +347,7 @@ class ModelRunner:
                 sample_positions.append(position)
                 sample_rows.extend(range(last - num_drafts, last + 1))
                 rows.extend(chunk.sampling_rows)
+                positions.extend(range(chunk.end - num_drafts, chunk.end + 1))
                 drafts.extend([*chunk.draft_token_ids, None])
         if sample_rows:
             # Every row, as in a decode step, needs no gather (indexing with a Python list
@@ -350,7 +355,7 @@ class ModelRunner:
             every_row = sample_rows == list(range(logits.shape[0]))
             picked = logits if every_row else logits[torch.tensor(sample_rows)]
             verifies = len(rows) > len(sample_positions)
-            drawn = self.sampler.sample(picked, rows, drafts if verifies else None)
+            drawn = self.sampler.sample(picked, rows, positions, drafts if verifies else None)
             at = 0
             for position in sample_positions:
                 chunk = items[position]

@@ -4,8 +4,10 @@ Every control is a tensor operation over the whole batch: logit bias, banned tok
 structured-output mask are scattered in, penalties come from token-count tensors, and the
 filters (top-k, top-p, min-p) work on one sort of the batch. The draw is inverse-CDF
 sampling with one uniform number per row, derived from the request's seed mixed with the
-output position, so a request yields the same tokens whatever else is in the batch, after a
-preemption, or on another engine (disaggregated decode).
+position of the token drawn (its index in the request's tokens), so a request yields the same
+tokens whatever else is in the batch, after a preemption, or on another engine (disaggregated
+decode). The mixing happens here, for the rows that draw at random only: a greedy row's seed
+is never looked at, and a request's row stays one value from step to step.
 
 A row may carry several seeds (the n choices of a request fork at its prompt's last row): it
 is expanded into one row per seed before anything else, so every draw is an ordinary row.
@@ -39,15 +41,23 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: list[SamplingRow],
+        positions: list[int],
         drafts: list[int | None] | None = None,
     ) -> list[Sample]:
-        """logits (R, V) float32, one row per SamplingRow -> one Sample per row. `drafts`:
-        per row, the draft token it tests (None: none); only rows of one seed test one."""
+        """logits (R, V) float32, one row per SamplingRow -> one Sample per row. `positions`:
+        per row, the index of the token it draws in its request's tokens. `drafts`: per row,
+        the draft token it tests (None: none); only rows of one seed test one."""
         if all(is_plain_greedy(row) for row in rows):
             return greedy_samples(logits.argmax(dim=-1).tolist())
         counts = [len(row.seeds) for row in rows]
-        draws = [(row, seed) for row in rows for seed in row.seeds]
-        expanded = [row for row, _ in draws]
+        # (row, its seed mixed with the position): the mixing costs a few microseconds in
+        # Python, so it waits until a draw needs it.
+        draws = [
+            (row, seed, position)
+            for row, position in zip(rows, positions, strict=True)
+            for seed in row.seeds
+        ]
+        expanded = [row for row, _, _ in draws]
         if len(draws) > len(rows):
             source = torch.repeat_interleave(
                 torch.arange(len(rows), device=logits.device),
@@ -66,20 +76,22 @@ class Sampler:
             for _ in range(count)
         ]
         random = [
-            i for i, (row, _) in enumerate(draws) if row.temperature > 0.0 and tested[i] is None
+            i for i, (row, _, _) in enumerate(draws) if row.temperature > 0.0 and tested[i] is None
         ]
         if random:
             picked = torch.tensor(random, device=work.device)
-            drawn = _draw(work[picked], [draws[i] for i in random])
+            drawn = _draw(work[picked], [_seeded(draws[i]) for i in random])
             tokens[picked] = drawn
         verified = [
-            i for i, (row, _) in enumerate(draws) if row.temperature > 0.0 and tested[i] is not None
+            i
+            for i, (row, _, _) in enumerate(draws)
+            if row.temperature > 0.0 and tested[i] is not None
         ]
         if verified:
             picked = torch.tensor(verified, device=work.device)
             tokens[picked] = _verify(
                 work[picked],
-                [draws[i] for i in verified],
+                [_seeded(draws[i]) for i in verified],
                 [tested[i] for i in verified],  # type: ignore[misc]
             )
         token_list = tokens.tolist()
@@ -96,6 +108,12 @@ class Sampler:
             )
             first += count
         return samples
+
+
+def _seeded(draw: tuple[SamplingRow, int, int]) -> tuple[SamplingRow, int]:
+    """A draw's row and its seed mixed with the position of the token it draws."""
+    row, seed, position = draw
+    return row, mix_seed(seed, position)
 
 
 def is_plain_greedy(row: SamplingRow) -> bool:
@@ -336,7 +354,7 @@ def _inverse_cdf_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 
 def _uniform(seed: int) -> float:
-    """A uniform number in [0, 1) from a row's seed (already mixed with the output position,
+    """A uniform number in [0, 1) from a row's seed (already mixed with the token's position,
     step_plan.mix_seed): splitmix64's finaliser once more, the top 53 bits."""
     state = (seed ^ 0x2545F4914F6CDD1D) * 0xBF58476D1CE4E5B9 & _MASK64
     state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64

@@ -150,16 +150,20 @@ class DraftModelProposer(Proposer):
     def _step(self, shadows: list[Request], tokens: list[list[int]]) -> list[int]:
         """One draft forward: each shadow computes `tokens` from its cursor and samples
         greedily after them; the sampled tokens, in order."""
-        chunks = [
-            ScheduledChunk(
-                request_id=shadow.request_id,
-                token_ids=chunk,
-                start=shadow.num_computed_tokens,
-                block_ids=list(self.cache.block_table(shadow.request_id)),
-                slot=self.cache.live_slot(shadow.request_id),
-                sampling=GREEDY_ROW,
+        chunks = []
+        for shadow, chunk in zip(shadows, tokens, strict=True):
+            table_from, block_ids = self.cache.table_update(shadow.request_id)
+            chunks.append(
+                ScheduledChunk(
+                    request_id=shadow.request_id,
+                    token_ids=chunk,
+                    start=shadow.num_computed_tokens,
+                    block_ids=block_ids,
+                    table_from=table_from,
+                    slot=self.cache.live_slot(shadow.request_id),
+                    sampling=GREEDY_ROW,
+                )
             )
-            for shadow, chunk in zip(shadows, tokens, strict=True)
-        ]
-        output = self.executor.execute(StepPlan(chunks, self.cache.take_ops()))
+        plan = StepPlan(chunks, self.cache.take_ops(), self.cache.take_released())
+        output = self.executor.execute(plan)
         return [sample.token_ids[0] for sample in output.samples]  # type: ignore[union-attr]

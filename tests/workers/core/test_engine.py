@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridserve.workers import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
-from hybridserve.workers.core.step_plan import SamplingRow, mix_seed
+from hybridserve.workers.core.step_plan import SamplingRow
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
 from tests.helpers import assert_pools_at_baseline, engine_logprobs
 
@@ -333,14 +333,16 @@ def test_without_a_seed_the_engine_seed_and_request_id_decide():
     assert sample(0, "other") != reference
 
 
-def test_each_sample_is_seeded_by_the_request_seed_and_the_output_position(monkeypatch):
+def test_each_sample_is_seeded_by_the_request_seed_and_the_token_position(monkeypatch):
     engine = make_engine()
     rows: list[SamplingRow] = []
+    positions: list[int] = []
     sample = engine.executor.driver.sampler.sample
 
-    def recording_sample(logits, sampling_rows, drafts=None):
+    def recording_sample(logits, sampling_rows, row_positions, drafts=None):
         rows.extend(sampling_rows)
-        return sample(logits, sampling_rows, drafts)
+        positions.extend(row_positions)
+        return sample(logits, sampling_rows, row_positions, drafts)
 
     monkeypatch.setattr(engine.executor.driver.sampler, "sample", recording_sample)
     params = SamplingParams(
@@ -348,7 +350,9 @@ def test_each_sample_is_seeded_by_the_request_seed_and_the_output_position(monke
     )
     engine.add_request(PROMPTS[0], params)
     run(engine)
-    assert [r.seeds for r in rows] == [(mix_seed(5, position),) for position in range(4)]
+    assert [r.seeds for r in rows] == [(5,)] * 4
+    prompt_len = len(engine.tokenize(PROMPTS[0]))
+    assert positions == [prompt_len + i for i in range(4)]
     assert [set(r.banned_token_ids) for r in rows] == [{65, 256, 258}] * 2 + [set()] * 2
     assert {(r.temperature, r.top_k, r.top_p) for r in rows} == {(0.8, 50, 1.0)}
 

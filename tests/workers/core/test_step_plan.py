@@ -24,7 +24,9 @@ from tests.helpers import make_prefix_cache, make_request
 
 PLAN = StepPlan(
     chunks=[
-        ScheduledChunk("r0", [5], 40, [3, 7, 9], 1, SamplingRow(0.0, 1.0, None, (2**62 + 5,))),
+        ScheduledChunk(
+            "r0", [5], 40, [9], 1, SamplingRow(0.0, 1.0, None, (2**62 + 5,)), table_from=2
+        ),
         ScheduledChunk("r1", [1, 2, 3, 4], 0, [0], 0),
         ScheduledChunk(
             "r3",
@@ -72,6 +74,7 @@ PLAN = StepPlan(
         OffloadSlot(5, 2),
         LoadSlot(2, 1),
     ],
+    released=["r7", "r8#1"],
 )
 
 
@@ -82,22 +85,30 @@ def test_a_plan_round_trips_through_msgpack_bytes():
 
 def test_the_wire_form_is_versioned_and_compact():
     data = msgpack.unpackb(PLAN.to_bytes(), raw=False)
-    assert data["v"] == PLAN_VERSION == 3
+    assert data["v"] == PLAN_VERSION == 4
     assert data["ops"][0] == ["copy_block", 3, 4, 12]
-    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, None, None, []]
+    assert data["released"] == ["r7", "r8#1"]
+    assert data["chunks"][1] == ["r1", [1, 2, 3, 4], 0, [0], 0, None, None, None, [], 0]
+    assert data["chunks"][0][3:5] == [[9], 1] and data["chunks"][0][-1] == 2
     assert PLAN.chunks[2].draft_token_ids == [9, 4]
 
 
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        ({"v": 2, "chunks": [], "ops": []}, "step plan version 2 is not 3"),
-        ({"v": 3, "chunks": [["r", [1]]], "ops": []}, "malformed step plan"),
-        ({"v": 3, "chunks": [], "ops": [["format_disk", 1]]}, "malformed cache op"),
-        ({"v": 3, "chunks": [], "ops": [["copy_slot", 1, -2]]}, "non-negative integer"),
-        ({"v": 3, "ops": []}, "malformed step plan"),
+        ({"v": 3, "chunks": [], "ops": []}, "step plan version 3 is not 4"),
+        ({"v": 4, "chunks": [["r", [1]]], "ops": [], "released": []}, "malformed step plan"),
+        ({"v": 4, "chunks": [], "ops": [["format_disk", 1]], "released": []}, "malformed cache op"),
+        ({"v": 4, "chunks": [], "ops": [["copy_slot", 1, -2]], "released": []}, "non-negative"),
+        ({"v": 4, "ops": [], "released": []}, "malformed step plan"),
+        ({"v": 4, "chunks": [], "ops": []}, "malformed step plan"),
         (
-            {"v": 3, "chunks": [["r", [1], 0, [0], 0, [1.0, 1.0], None, None, []]], "ops": []},
+            {
+                "v": 4,
+                "chunks": [["r", [1], 0, [0], 0, [1.0, 1.0], None, None, [], 0]],
+                "ops": [],
+                "released": [],
+            },
             "malformed step plan",
         ),
     ],

@@ -23,9 +23,15 @@ def row(seed: int = 0, temperature: float = 1.0, top_p: float = 1.0, top_k=None,
     )
 
 
-def draw(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """The one token each row draws."""
-    return [sample.token_ids[0] for sample in sampler.sample(logits, rows)]
+def draw(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    positions: list[int] | None = None,
+) -> list[int]:
+    """The one token each row draws (at token position 0 unless `positions` says)."""
+    positions = positions or [0] * len(rows)
+    return [sample.token_ids[0] for sample in sampler.sample(logits, rows, positions)]
 
 
 def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -81,7 +87,7 @@ def test_a_greedy_row_that_asks_more_than_the_argmax_is_not_plain(asks):
     greedy_with_more = SamplingRow(**fields)
     assert not sampler_module.is_plain_greedy(greedy_with_more)
     logits = random_logits(2)
-    samples = Sampler().sample(logits, [row(temperature=0.0), greedy_with_more])
+    samples = Sampler().sample(logits, [row(temperature=0.0), greedy_with_more], [0, 0])
     assert samples[0].token_ids == (logits[0].argmax().item(),)
     assert samples[0].logprobs is None
     if "logit_bias" in asks or "allowed_token_bitmask" in asks:
@@ -125,14 +131,14 @@ def test_different_positions_draw_differently():
     sampler = Sampler()
     for request_seed in (0, 12345):
         tokens = [
-            draw(sampler, logits, [row(seed=mix_seed(request_seed, position))])[0]
+            draw(sampler, logits, [row(seed=request_seed)], [position])[0]
             for position in range(200)
         ]
         # 200 uniform draws out of 1000 give about 181 distinct values.
         assert len(set(tokens)) >= 160
     # Two requests (seeds 7 and 8) do not share draws position by position either.
-    seed_7 = [draw(sampler, logits, [row(seed=mix_seed(7, p))])[0] for p in range(50)]
-    seed_8 = [draw(sampler, logits, [row(seed=mix_seed(8, p))])[0] for p in range(50)]
+    seed_7 = [draw(sampler, logits, [row(seed=7)], [p])[0] for p in range(50)]
+    seed_8 = [draw(sampler, logits, [row(seed=8)], [p])[0] for p in range(50)]
     assert sum(a == b for a, b in zip(seed_7, seed_8, strict=True)) <= 3
 
 
@@ -289,7 +295,7 @@ def test_a_row_with_several_seeds_draws_as_that_many_rows():
     logits = random_logits(2, seed=9)
     seeds = tuple(mix_seed(100 + i, 0) for i in range(5))
     fork = SamplingRow(temperature=1.0, top_p=0.9, top_k=None, seeds=seeds, num_logprobs=2)
-    (sample, other) = Sampler().sample(logits, [fork, row(temperature=0.0)])
+    (sample, other) = Sampler().sample(logits, [fork, row(temperature=0.0)], [0, 0])
     alone = [draw(Sampler(), logits[:1], [row(seed=s, top_p=0.9)])[0] for s in seeds]
     assert list(sample.token_ids) == alone
     assert len(sample.logprobs) == 5 and other.token_ids == (int(logits[1].argmax()),)
@@ -302,7 +308,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_n_best_first():
         row(seed=1, temperature=0.7, num_logprobs=0, frequency_penalty=1.0, output_token_ids=(1,)),
         row(temperature=0.0),
     ]
-    samples = Sampler().sample(logits, rows)
+    samples = Sampler().sample(logits, rows, [0] * len(rows))
     reference = torch.log_softmax(logits, dim=-1)
     for i in (0, 1):
         (entry,) = samples[i].logprobs

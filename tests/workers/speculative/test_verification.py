@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridserve.workers.core.outputs import Sample
-from hybridserve.workers.core.step_plan import SamplingRow, mix_seed
+from hybridserve.workers.core.step_plan import SamplingRow
 from hybridserve.workers.runner import sampler as sampler_module
 from hybridserve.workers.runner.sampler import Sampler
 from hybridserve.workers.speculative.verification import settle
@@ -44,7 +44,7 @@ def test_settle_accepts_up_to_the_first_draft_its_row_disagrees_with(row_tokens,
 def test_greedy_rows_test_drafts_against_the_argmax():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     rows = [SamplingRow(0.0, 1.0, None, (i,), num_logprobs=1) for i in range(3)]
-    settled = settle(Sampler().sample(logits, rows, [1, 2, None]), [1, 2])
+    settled = settle(Sampler().sample(logits, rows, [0, 1, 2], [1, 2, None]), [1, 2])
     assert settled.accepted == (1,) and settled.token_ids == (0,)
     assert [lp.token_id for lp in settled.accepted_logprobs] == [1]
 
@@ -55,7 +55,7 @@ def speculative_sequences(drafts_of: list[int], seeds: range) -> torch.Tensor:
     sampler = Sampler()
     sequences = {seed: [0] for seed in seeds}
     while any(len(s) <= LENGTH for s in sequences.values()):
-        rows, logits, spans = [], [], []
+        rows, positions, logits, spans = [], [], [], []
         for seed, tokens in sequences.items():
             if len(tokens) > LENGTH:
                 continue
@@ -63,12 +63,14 @@ def speculative_sequences(drafts_of: list[int], seeds: range) -> torch.Tensor:
             context = [tokens[-1], *drafts]
             position = len(tokens) - 1
             for offset, token in enumerate(context):
-                rows.append(SamplingRow(1.0, 1.0, None, (mix_seed(seed, position + offset),)))
+                rows.append(SamplingRow(1.0, 1.0, None, (seed,)))
+                positions.append(position + offset)
                 logits.append(CHAIN[token])
             spans.append((seed, drafts, len(context)))
         drawn = sampler.sample(
             torch.stack(logits),
             rows,
+            positions,
             [d for _, drafts, _ in spans for d in [*drafts, None]],
         )
         at = 0
@@ -114,6 +116,6 @@ def test_a_sampled_row_accepts_a_likely_draft_more_often_than_an_unlikely_one():
     rows = [SamplingRow(1.0, 1.0, None, (seed,)) for seed in range(4000)]
     logits = CHAIN[0].expand(len(rows), VOCAB)
     for draft, probability in ((0, 0.6), (2, 0.1)):
-        drawn = Sampler().sample(logits, rows, [draft] * len(rows))
+        drawn = Sampler().sample(logits, rows, [0] * len(rows), [draft] * len(rows))
         rate = sum(s.token_ids[0] == draft for s in drawn) / len(rows)
         assert abs(rate - probability) < 0.03

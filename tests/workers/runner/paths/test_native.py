@@ -214,7 +214,7 @@ def test_it_writes_the_states_and_scores_the_models_step_does():
     compared = []
 
     def both_ways(plan):
-        decode_only = all(c.is_decode for c in plan.chunks)
+        decode_only = bool(plan.chunks) and all(c.is_decode for c in plan.chunks)
         if not (decode_only and len(plan.chunks) <= native_module.MAX_ROWS):
             return execute(plan)
         before = [pool.clone() for pool in _pools(runner)]
