@@ -95,7 +95,9 @@ class InFlightReuse:
     position: int
 
 
-@dataclass(frozen=True)
+# Not frozen: one per running request per step (a frozen dataclass's __init__ sets each field
+# through object.__setattr__).
+@dataclass(slots=True)
 class Allocation:
     """What one `allocate` call added for a request."""
 

@@ -560,6 +560,10 @@ def _sampling_rows(request: Request, drafts: list[int]) -> list[SamplingRow]:
     """The row that samples `request`'s next token, then with drafts the row after each of
     them: banned stop tokens, penalties and grammar mask as if the drafts before it stood
     (the sampler mixes each row's seeds with the position it draws)."""
+    if request.sampling_row is not None:
+        # Built once nothing about the row could change any more (below): output positions
+        # only grow, and the rest is fixed for the request's life.
+        return [request.sampling_row] * (len(drafts) + 1)
     params = request.sampling_params
     first = request.num_output_tokens
     if (
@@ -569,8 +573,7 @@ def _sampling_rows(request: Request, drafts: list[int]) -> list[SamplingRow]:
         and not (first == 0 and request.choice_seeds)
     ):
         # Nothing about the row changes from step to step: one value serves them all.
-        if request.sampling_row is None:
-            request.sampling_row = _row(params, (request.sample_seed,))
+        request.sampling_row = _row(params, (request.sample_seed,))
         return [request.sampling_row] * (len(drafts) + 1)
     penalised = params.uses_penalties
     outputs = request.output_token_ids + drafts if penalised else []
