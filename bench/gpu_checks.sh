@@ -6,7 +6,9 @@
 #   3. bench/step_overhead.py on CUDA: the decode step eager and as CUDA graphs, fp32 and bf16;
 #   4. bench/fp8_weights.py on CUDA: FP8 weights (the Triton FP8 GEMM) against bf16 ones;
 #   5. bench/speculative.py on CUDA: n-gram speculation against plain decoding, at 1 and 8
-#      requests with no batch limit (a GPU's default).
+#      requests with no batch limit (a GPU's default);
+#   6. bench/async_scheduling.py on CUDA: a decode step and its host-visible share, async
+#      scheduling against synchronous, fp32 and bf16 (the async tests run in step 1).
 #
 #   bash bench/gpu_checks.sh [results folder, default bench/results/gpu]
 #
@@ -30,7 +32,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # The session fixtures (tests/conftest.py) start Ray, which these tests do not use.
 step tests python3 -m pytest --noconftest -p no:cacheprovider -q -rs --tb=short \
     tests/workers/runner/paths/test_cuda_graphs.py tests/kernels/triton tests/workers/test_parity.py \
-    tests/kernels/test_fp8_linear.py \
+    tests/kernels/test_fp8_linear.py tests/workers/core/test_async_scheduling.py \
     -k "not compiled"
 step kernels python3 bench/kernels.py --output "$out/kernels.json"
 for dtype in float32 bfloat16; do
@@ -40,4 +42,8 @@ done
 step fp8_weights python3 bench/fp8_weights.py --device cuda --dtype bfloat16 \
     --output "$out/fp8_weights.json"
 step speculative python3 bench/speculative.py --repeats 2 --output "$out/speculative.json"
+for dtype in float32 bfloat16; do
+    step "async_scheduling_$dtype" python3 bench/async_scheduling.py --device cuda \
+        --dtype "$dtype" --repeats 2 --output "$out/async_scheduling_$dtype.json"
+done
 exit $status

@@ -501,9 +501,11 @@ def engine_logprobs(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def assert_pools_at_baseline(engine: Any) -> None:
-    """Integrity holds, nothing is held by a request, and once the prefix cache is cleared
-    every block and slot is free again."""
+    """Integrity holds, nothing is held by a request (nor a table on the rank), and once the
+    prefix cache is cleared every block and slot is free again."""
     engine.check_integrity()
+    engine.apply_decided_ops()  # releases decided since the last step reach the rank
+    assert not engine.executor.driver.block_tables.as_mapping()  # the rank holds no table
     cache = engine.cache
     assert cache.num_free_blocks == engine.num_kv_blocks  # cached blocks count as free
     assert cache.num_free_slots == cache.recurrent.num_live_slots

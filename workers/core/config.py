@@ -53,6 +53,15 @@ class EngineConfig(BaseModel):
         "tokens and keeps those the model agrees with (docs/speculative-decoding.md); None: "
         "one token per request per step",
     )
+    async_scheduling: bool = Field(
+        False,
+        description="vLLM's async scheduling: schedule step N+1 while step N runs, its "
+        "requests' new tokens taken on the rank from step N's samples, and learn those tokens "
+        "(stop checks, outputs) one step late; the same tokens as without it. A request that "
+        "needs its tokens to build the next step (a grammar, penalties, n > 1 forking, a "
+        "prefill engine's hand-off) makes that step wait (docs/step-plan.md). "
+        "tensor_parallel_size 1, no speculative decoding",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest prompt + output; default: the model's, at most 8192"
     )
@@ -246,6 +255,17 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"num_state_slots ({self.num_state_slots}) is smaller than {needed}: {why}; "
                 "raise num_state_slots or lower max_num_seqs"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"async_scheduling with tensor_parallel_size={self.tensor_parallel_size}: a "
+                "step that runs ahead takes its tokens from the last step's samples, which only "
+                "rank 0 draws; use tensor_parallel_size 1 or turn async_scheduling off"
+            )
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "async_scheduling with speculative_config: a verify step needs the tokens the "
+                "last one accepted before it can be built; turn one of them off"
             )
         self._check_parallelism()
         return self

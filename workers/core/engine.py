@@ -1,8 +1,13 @@
 """Engine: one model replica. `add_request` / `step` / `abort`, nano-vllm shaped:
 
 out = scheduler.schedule()              # who runs, how many tokens; out.plan is the step plan
-result = executor.execute(out.plan)     # every rank: cache ops, forward; rank 0 samples
-scheduler.update(out, result.samples)   # cursors, stop checks, forks, commits, freeing
+running = executor.submit(out.plan)     # every rank: cache ops, forward; rank 0 samples
+scheduler.advance(out)                  # cursors past the chunks, commits
+scheduler.settle(out, running.result().samples)   # tokens, stop checks, forks, freeing
+
+With async scheduling (`async_scheduling`) the next step is scheduled and submitted between
+`advance` and `settle`: its requests' inputs are placeholders that the rank fills from the
+samples it just drew, and the engine learns those tokens one step late.
 
 The executor runs the plan on one rank in this process (`uni`) or on `tensor_parallel_size`
 ranks (`mp`: rank 0 here, the others in their own processes). If a rank dies or hangs, every
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from concurrent.futures import Future, wait
 
 from hybridserve.kernels.cpu.gemm import GEMV_ROWS
 from hybridserve.workers.cache.coordinator import CacheCoordinator, PrefixCachingConfig
@@ -26,7 +32,7 @@ from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.outputs import RequestOutput
 from hybridserve.workers.core.request import CHOICE_SEPARATOR, Request, RequestStatus
 from hybridserve.workers.core.sampling_params import SamplingParams
-from hybridserve.workers.core.scheduler import Scheduler
+from hybridserve.workers.core.scheduler import Scheduler, SchedulerOutput
 from hybridserve.workers.core.step_plan import StepPlan, mix_seed
 from hybridserve.workers.core.structured_output import Grammar, GrammarCompiler
 from hybridserve.workers.core.tokenizer import Tokenizer
@@ -151,6 +157,9 @@ class Engine:
         # Outputs produced outside `step` (a failed receive under policy "fail", the choices a
         # completed receive forks): they go out with the next step.
         self._ended: list[RequestOutput] = []
+        # Async scheduling: the step handed to the ranks before the last one's tokens were
+        # known, and its result to come.
+        self._ahead: tuple[SchedulerOutput, Future[RunnerOutput]] | None = None
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s (%s, %d layers), max_model_len=%d, device=%s, tp=%d (%s)",
@@ -374,53 +383,63 @@ class Engine:
         return request_id in self.requests
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ended)
+        """Requests to step, outputs to deliver, or a step that ran ahead to settle."""
+        return self.scheduler.has_unfinished() or bool(self._ended) or self._ahead is not None
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns an output for every request that got a token."""
+        """Run one model step; returns an output for every request that got a token.
+
+        With async scheduling, the step this call settles may have gone to the ranks in the
+        call before, and the next one goes to them before this one's tokens are known
+        (`Scheduler.run_ahead`); the engine's thread then schedules and settles while the
+        ranks compute."""
         if self.dead is not None:
             return self._take_ended()
         # NOTE: first, and on idle steps too: expired leases and quarantines must free their
         # pages whether or not anything can be scheduled.
         self._sweep_transfers()
         ended = self._take_ended()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if self.scheduler.has_unfinished() and not self.has_pending_transfers():
-                raise RuntimeError(
-                    "no request could be scheduled: the caches cannot hold even "
-                    "one request; this is a sizing bug"
-                )
-            self._execute(out.plan)  # data moves only (if any), e.g. a finished commit's
-            return ended  # otherwise waiting for transfers to release their pages
-        result = self._execute(out.plan)
+        if self._ahead is not None:
+            out, running = self._ahead
+            self._ahead = None
+        else:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                if self.scheduler.has_unfinished() and not self.has_pending_transfers():
+                    raise RuntimeError(
+                        "no request could be scheduled: the caches cannot hold even "
+                        "one request; this is a sizing bug"
+                    )
+                self._execute(out.plan)  # data moves only (if any), e.g. a finished commit's
+                return ended  # otherwise waiting for transfers to release their pages
+            submitted = self._submit(out)
+            if submitted is None:
+                return ended + self._take_ended()  # a rank failed: every request ended
+            running = submitted
+        if self._runs_ahead(out):
+            self.scheduler.run_ahead(out)
+            following = self.scheduler.schedule()
+            if following.scheduled:
+                submitted = self._submit(following)
+                if submitted is not None:
+                    self._ahead = (following, submitted)
+            else:
+                self._execute(following.plan)  # its data moves, in order
+        result = self._wait(running)
         if result is None:
-            return ended + self._take_ended()  # a rank failed: every request ended
-        for item in out.scheduled:
-            scored = result.prompt_logprobs.get(item.request.request_id)
-            if scored:
-                item.request.record_prompt_logprobs(scored)
-        outputs = ended
-        for request_id, drafts in result.drafts.items():
-            # MTP guesses for the next step, made after this one (its tokens appended below;
-            # a prefill engine hands them over with the request).
-            request = self.requests.get(request_id)
-            if request is not None:
-                hold_drafts(request, drafts)
-        for request in self.scheduler.update(out, result.samples):
-            outputs.append(self._output(request))
-            if request.is_finished:
-                continue
-            if self.prefill_port is not None and request.num_output_tokens == 1:
-                # Prefill role: the prompt is done and the first token sampled; decode
-                # continues elsewhere from exactly this state.
-                self.prefill_port.hand_off(request)
+            return ended + self._take_ended()
+        outputs = ended + self._settle(out, result)
         self._sweep_transfers()
         self._publish_cache_events()
         if not self.scheduler.has_unfinished():
-            # Idle: apply what the last commits decided now, so the pools are complete while
+            # Idle. A step that ran ahead of the last tokens computed for requests that have
+            # ended since: nothing to take from it.
+            if self._ahead is not None:
+                self._wait(self._ahead[1])
+                self._ahead = None
+            # Apply what the last commits decided now, so the pools are complete while
             # nothing steps (a snapshot read by a test or a benchmark, a transfer).
             self.apply_decided_ops()
             self.cache.check_integrity()
@@ -430,6 +449,59 @@ class Engine:
             except RankFailure as exc:
                 self._die(str(exc))
         return outputs + self._take_ended()
+
+    def _runs_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether the next step goes to the ranks before `out`'s tokens are known (a prefill
+        engine hands each request off with its first token: it never runs ahead)."""
+        return (
+            self.config.async_scheduling
+            and self.prefill_port is None
+            and self.dead is None
+            and self.scheduler.can_run_ahead(out)
+        )
+
+    def _submit(self, out: SchedulerOutput) -> Future[RunnerOutput] | None:
+        """Hand `out`'s plan to the ranks and advance its cursors; None if a rank failed."""
+        try:
+            running = self.executor.submit(out.plan)
+        except RankFailure as exc:
+            self._die(str(exc))
+            return None
+        self.scheduler.advance(out)
+        return running
+
+    def _wait(self, running: Future[RunnerOutput]) -> RunnerOutput | None:
+        """A submitted step's result; None if a rank failed (the engine is dead then)."""
+        try:
+            return running.result()
+        except RankFailure as exc:
+            if self.dead is None:
+                self._die(str(exc))
+            return None
+
+    def _settle(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Take a step's result: prompt scores, MTP drafts, then the sampled tokens (the
+        outputs of the requests that got one or ended)."""
+        for item, chunk in zip(out.scheduled, out.plan.chunks, strict=True):
+            scored = result.prompt_logprobs.get(chunk.request_id)
+            if scored:
+                item.request.record_prompt_logprobs(chunk.start, scored)
+        for request_id, drafts in result.drafts.items():
+            # MTP guesses for the next step, made after this one (its tokens appended below;
+            # a prefill engine hands them over with the request).
+            request = self.requests.get(request_id)
+            if request is not None:
+                hold_drafts(request, drafts)
+        outputs = []
+        for request in self.scheduler.settle(out, result.samples):
+            outputs.append(self._output(request))
+            if request.is_finished:
+                continue
+            if self.prefill_port is not None and request.num_output_tokens == 1:
+                # Prefill role: the prompt is done and the first token sampled; decode
+                # continues elsewhere from exactly this state.
+                self.prefill_port.hand_off(request)
+        return outputs
 
     def _execute(self, plan: StepPlan) -> RunnerOutput | None:
         """Run a plan on every rank; None if there was nothing to run or a rank failed (the
@@ -444,13 +516,18 @@ class Engine:
 
     def apply_decided_ops(self) -> None:
         """Apply the data moves the caches decided outside a step plan (cache ops decided in a
-        step's update travel with the next plan; see workers/cache/ops.py)."""
+        step's update travel with the next plan; see workers/cache/ops.py). With a step in
+        flight (async scheduling), after it: the caller may hand pages freed since it was
+        submitted (an ended request's, which it still writes) to a transfer."""
+        if self._ahead is not None:
+            wait([self._ahead[1]])
         cache = self.cache
         self._execute(StepPlan(cache_ops=cache.take_ops(), released=cache.take_released()))
 
     def _die(self, reason: str) -> None:
         """A rank failed: end every request with the reason; refuse new ones from now on."""
         self.dead = reason
+        self._ahead = None
         logger.error("engine stopped: %s", reason)
         for request in list(self.requests.values()):
             if request.status is RequestStatus.HANDED_OFF and self.prefill_port is not None:
@@ -533,6 +610,8 @@ class Engine:
         every rank against rank 0 (plans executed, pools)."""
         self.cache.check_integrity()
         if self.dead is None:
+            if self._ahead is not None:
+                wait([self._ahead[1]])  # the ranks' tables are the step's to change until then
             tables = self.executor.driver.block_tables.as_mapping()
             problems = self.cache.attention.rank_table_problems(tables)
             if problems:

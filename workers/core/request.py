@@ -149,10 +149,9 @@ class Request:
         choice.grammar = None if self.grammar is None else self.grammar.fork()
         return choice
 
-    def record_prompt_logprobs(self, scored: list[TokenLogprobs]) -> None:
-        """Logprobs a chunk starting at `num_computed_tokens` scored (row i: token start + i
-        + 1); keeps only the prompt tokens not scored yet (a recompute scores some again)."""
-        start = self.num_computed_tokens
+    def record_prompt_logprobs(self, start: int, scored: list[TokenLogprobs]) -> None:
+        """Logprobs a chunk starting at `start` scored (row i: token start + i + 1); keeps
+        only the prompt tokens not scored yet (a recompute scores some again)."""
         for offset, logprobs in enumerate(scored):
             position = start + 1 + offset
             if position < self.num_prompt_tokens and position == len(self.prompt_logprobs) + 1:

@@ -38,7 +38,12 @@ from hybridserve.workers.cache.coordinator import CacheCoordinator
 from hybridserve.workers.core.outputs import FinishReason, Sample, TokenLogprobs
 from hybridserve.workers.core.request import Request, RequestStatus
 from hybridserve.workers.core.sampling_params import SamplingParams
-from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from hybridserve.workers.core.step_plan import (
+    PENDING_TOKEN,
+    SamplingRow,
+    ScheduledChunk,
+    StepPlan,
+)
 from hybridserve.workers.speculative.proposer import Speculator
 
 logger = logging.getLogger(__name__)
@@ -341,18 +346,16 @@ class Scheduler:
             "request %s preempted (KV pool full); it will be recomputed", request.request_id
         )
 
-    def update(self, out: SchedulerOutput, samples: list[Sample | None]) -> list[Request]:
-        """Advance cursors after the model ran; append sampled tokens (forking the choices of
-        n > 1 requests); return requests that changed visibly (got a token or finished), new
-        choices included."""
-        changed = []
-        for item, sample in zip(out.scheduled, samples, strict=True):
-            request = item.request
+    def advance(self, out: SchedulerOutput) -> None:
+        """Move the step's cursors past what its chunks compute, and commit what that
+        completes (a snapshot point reached, its prompt blocks). Neither needs the step's
+        result: with async scheduling a step advances as soon as it is handed to the ranks,
+        so its commits' copies go with the next plan, before anything computes past them.
+        A verify chunk moves its cursor in `settle`, where its accepted drafts are known."""
+        for item in out.scheduled:
             if item.num_draft_tokens:
-                assert sample is not None, "a verify chunk always samples"
-                self._settle_drafts(request, item, sample)
-                changed.append(request)
                 continue
+            request = item.request
             computed = request.num_computed_tokens
             request.num_computed_tokens = computed + item.num_new_tokens
             prompt_len = request.num_prompt_tokens
@@ -361,7 +364,45 @@ class Scheduler:
                     min(request.num_computed_tokens, prompt_len) - computed
                 )
             self.cache.commit(request)
-            if sample is None:
+
+    def can_run_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether the next step can be built before `out`'s tokens are known: no request
+        that samples in it needs its token to build its next row (a grammar's mask, penalties'
+        counts, the choices an n > 1 request forks from its first token, drafts)."""
+        for item, chunk in zip(out.scheduled, out.plan.chunks, strict=True):
+            request = item.request
+            if chunk.sampling is not None and (
+                item.num_draft_tokens
+                or request.grammar is not None
+                or request.sampling_params.uses_penalties
+                or (request.choice_seeds and request.num_output_tokens == 0)
+            ):
+                return False
+        return True
+
+    def run_ahead(self, out: SchedulerOutput) -> None:
+        """Async scheduling, before `out`'s samples are known (`advance` done): each request
+        that samples in it gets a placeholder for that token (PENDING_TOKEN), which the next
+        schedule gives it to compute. The rank puts the token it sampled in its place;
+        `settle` writes it here."""
+        for item, chunk in zip(out.scheduled, out.plan.chunks, strict=True):
+            if chunk.sampling is not None and item.request.status is RequestStatus.RUNNING:
+                item.request.token_ids.append(PENDING_TOKEN)
+
+    def settle(self, out: SchedulerOutput, samples: list[Sample | None]) -> list[Request]:
+        """The step's samples: append each request's token (in place of its placeholder when
+        the next step ran ahead), fork the choices of n > 1 requests, stop the requests they
+        end; return the requests that changed visibly (got a token or finished), new choices
+        included. A request that ended while the step ran (aborted, or stopped by the token of
+        the step before, learned one step late) takes nothing from it."""
+        changed = []
+        for item, sample in zip(out.scheduled, samples, strict=True):
+            request = item.request
+            if sample is None or request.is_finished:
+                continue
+            if item.num_draft_tokens:
+                self._settle_drafts(request, item, sample)
+                changed.append(request)
                 continue
             tokens = sample.token_ids
             logprobs = sample.logprobs or (None,) * len(tokens)
@@ -426,8 +467,12 @@ class Scheduler:
         *,
         may_finish: bool = True,
     ) -> None:
-        """A new output token; finish the request if it ends it."""
-        request.token_ids.append(token)
+        """A new output token (in place of its placeholder, if it has one); finish the request
+        if it ends it."""
+        if request.token_ids[-1] == PENDING_TOKEN:
+            request.token_ids[-1] = token
+        else:
+            request.token_ids.append(token)
         if logprobs is not None:
             request.logprobs.append(logprobs)
         if request.grammar is not None:

@@ -35,6 +35,9 @@ from hybridserve.workers.cache.ops import CacheOp, op_from_wire, op_to_wire
 
 PLAN_VERSION = 4
 _MASK64 = (1 << 64) - 1
+# Async scheduling: the input of a decode chunk whose token the step before is still
+# sampling. A rank puts in the token it sampled for the request there (ModelRunner).
+PENDING_TOKEN = -1
 
 
 def mix_seed(*values: int) -> int:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.step_plan import StepPlan
@@ -39,6 +42,17 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run one plan on every rank; rank 0's result. Raises RankFailure."""
 
+    def submit(self, plan: StepPlan) -> Future[RunnerOutput]:
+        """Start one plan and return at once where the ranks run on their own (async
+        scheduling); plans run in the order submitted, `execute` after them. Here: run it
+        now."""
+        future: Future[RunnerOutput] = Future()
+        try:
+            future.set_result(self.execute(plan))
+        except RankFailure as exc:
+            future.set_exception(exc)
+        return future
+
     def check_ranks(self) -> None:  # noqa: B027 - one rank has nothing to compare
         """Raise if a rank disagrees with rank 0 (plans executed, pool sizes)."""
 
@@ -47,7 +61,10 @@ class Executor(ABC):
 
 
 class UniExecutor(Executor):
-    """Tensor-parallel size 1: the runner is called directly, nothing is serialised."""
+    """Tensor-parallel size 1: the runner is called directly, nothing is serialised. With
+    async scheduling the runner works in a thread of its own, one plan after another, so the
+    engine's thread schedules the next step while it runs (torch, the native step and CUDA
+    leave the GIL while they work)."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
         self.driver = ModelRunner(config, checkpoint, ParallelContext())
@@ -61,11 +78,35 @@ class UniExecutor(Executor):
             memory.num_host_blocks,
             memory.num_host_slots,
         )
+        self._worker = (
+            ThreadPoolExecutor(1, "hybridserve-runner", initializer=self._enter_worker)
+            if config.async_scheduling
+            else None
+        )
 
-    def execute(self, plan: StepPlan) -> RunnerOutput:
+    def _enter_worker(self) -> None:
+        # The current CUDA device is per thread.
+        if self.driver.device.type == "cuda":
+            torch.cuda.set_device(self.driver.device)
+
+    def _run(self, plan: StepPlan) -> RunnerOutput:
         result = self.driver.execute(plan)
         assert result is not None
         return result
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        if self._worker is None:
+            return self._run(plan)
+        return self._worker.submit(self._run, plan).result()
+
+    def submit(self, plan: StepPlan) -> Future[RunnerOutput]:
+        if self._worker is None:
+            return super().submit(plan)
+        return self._worker.submit(self._run, plan)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
 
 
 ExecutorFactory = Callable[[EngineConfig, Checkpoint, int], Executor]

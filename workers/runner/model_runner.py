@@ -19,7 +19,12 @@ import torch
 from hybridserve.kernels import build_cpu_operators
 from hybridserve.workers.core.config import EngineConfig
 from hybridserve.workers.core.outputs import Sample, TokenLogprobs
-from hybridserve.workers.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from hybridserve.workers.core.step_plan import (
+    PENDING_TOKEN,
+    SamplingRow,
+    ScheduledChunk,
+    StepPlan,
+)
 from hybridserve.workers.executors.parallel import ParallelContext, local_kv_heads
 from hybridserve.workers.models.config import HybridModelConfig
 from hybridserve.workers.models.loader import Checkpoint, load_model
@@ -128,6 +133,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.block_tables = BlockTables()
+        # Async scheduling: per request, the token its last sampling chunk drew here, the input
+        # of a following chunk built before the engine knew it (PENDING_TOKEN).
+        self._sampled: dict[str, int] = {}
         self.caches = StateCaches(None)
         self.memory: CacheMemory | None = None
         # The forward paths to try, in order; those that cannot serve this model, device or
@@ -263,12 +271,22 @@ class ModelRunner:
         """Apply the plan's cache ops, run its chunks; the driver's result (None elsewhere)."""
         assert self.memory is not None, "allocate_pools() first"
         self.block_tables.apply(plan)
+        for request_id in plan.released:
+            self._sampled.pop(request_id, None)
+        for chunk in plan.chunks:
+            if chunk.token_ids[-1] == PENDING_TOKEN:
+                chunk.token_ids[-1] = self._sampled[chunk.request_id]
         self.memory.apply(plan.cache_ops)
         if not plan.chunks:
             return RunnerOutput([]) if self.parallel.is_driver else None
         chunks = plan.chunks
         path = next(path for path in self.paths if path.accepts(chunks))
-        return path.run(chunks)
+        output = path.run(chunks)
+        if output is not None:
+            for chunk, sample in zip(chunks, output.samples, strict=True):
+                if sample is not None:
+                    self._sampled[chunk.request_id] = sample.token_ids[0]
+        return output
 
     def sample_hidden(
         self,

@@ -41,7 +41,8 @@ def step(scheduler: Scheduler, token: int = TOKEN) -> tuple[list[tuple[str, int]
     out = scheduler.schedule()
     assert out.num_tokens <= scheduler.max_num_batched_tokens
     sampled = [Sample((token,)) if s.samples else None for s in out.scheduled]
-    changed = scheduler.update(out, sampled)
+    scheduler.advance(out)
+    changed = scheduler.settle(out, sampled)
     scheduler.cache.check_integrity()
     return plan(out), changed
 
@@ -95,7 +96,8 @@ def test_chunked_prefill_splits_a_prompt_exactly_by_the_budget():
     out = scheduler.schedule()
     assert plan(out) == [("a", 4)]
     assert not out.scheduled[0].samples
-    scheduler.update(out, [None])
+    scheduler.advance(out)
+    scheduler.settle(out, [None])
     assert (a.num_computed_tokens, a.num_output_tokens) == (4, 0)
     assert step(scheduler)[0] == [("a", 4)]
     assert (a.num_computed_tokens, a.num_output_tokens) == (8, 0)
@@ -113,7 +115,8 @@ def test_update_returns_only_requests_that_got_a_token():
     scheduler.add(b)
     out = scheduler.schedule()
     assert plan(out) == [("a", 4), ("b", 2)]
-    changed = scheduler.update(out, [Sample((TOKEN,)), None])
+    scheduler.advance(out)
+    changed = scheduler.settle(out, [Sample((TOKEN,)), None])
     assert ids(changed) == ["a"]
 
 
@@ -187,7 +190,8 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert scheduler.cache.num_free_blocks == 1  # b's 2 blocks back, 1 taken by a
     assert scheduler.cache.num_free_slots == 3
     scheduler.cache.check_integrity()
-    scheduler.update(out, [Sample((TOKEN,))])
+    scheduler.advance(out)
+    scheduler.settle(out, [Sample((TOKEN,))])
     # No admission in the step that preempted; afterwards b is recomputed from scratch (its
     # prompt plus its two generated tokens) as soon as it fits again.
     assert b.num_remaining_tokens == 9
@@ -208,7 +212,8 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
     assert out.preempted == [b]
     assert scheduler.cache.num_free_blocks == 2
     assert ids(scheduler.waiting) == ["b"]
-    scheduler.update(out, [Sample((TOKEN,))])
+    scheduler.advance(out)
+    scheduler.settle(out, [Sample((TOKEN,))])
     # The next step admits b again, starting its recompute at token 0.
     assert step(scheduler)[0] == [("a", 1), ("b", 1)]
     assert b.num_computed_tokens == 1
@@ -338,7 +343,8 @@ def test_abort_a_preempted_request_in_the_waiting_queue_frees_everything():
     step(scheduler)
     out = scheduler.schedule()
     assert out.preempted == [b]
-    scheduler.update(out, [Sample((TOKEN,))])
+    scheduler.advance(out)
+    scheduler.settle(out, [Sample((TOKEN,))])
     scheduler.finish(b, "abort")
     assert b.finish_reason == "abort" and ids(scheduler.waiting) == []
     scheduler.finish(a, "abort")

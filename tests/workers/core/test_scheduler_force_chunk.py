@@ -39,7 +39,8 @@ def step(scheduler):
     """schedule + update, sampling nothing; returns [(request id, chunk)]."""
     out = scheduler.schedule()
     assert out.num_tokens <= scheduler.max_num_batched_tokens
-    scheduler.update(out, [None] * len(out.scheduled))
+    scheduler.advance(out)
+    scheduler.settle(out, [None] * len(out.scheduled))
     scheduler.cache.check_integrity()
     return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 

@@ -160,7 +160,8 @@ def test_the_scheduler_s_plan_carries_everything_a_rank_needs():
     assert (chunk.request_id, chunk.token_ids, chunk.start) == ("a", [1, 2, 3, 4], 0)
     assert chunk.block_ids == cache.block_table("a") and chunk.slot == cache.live_slot("a")
     assert chunk.sampling is None  # a chunk that ends at snapshot point 4 samples nothing
-    scheduler.update(out, [None])  # commit at 4: a snapshot of the live slot
+    scheduler.advance(out)  # commit at 4: a snapshot of the live slot
+    scheduler.settle(out, [None])
     out = scheduler.schedule()
     assert [op.kind for op in out.plan.cache_ops] == ["copy_slot"]  # decided after step 1
     assert out.plan.cache_ops[0].src == chunk.slot
