@@ -8,7 +8,11 @@
 #   5. bench/speculative.py on CUDA: n-gram speculation against plain decoding, at 1 and 8
 #      requests with no batch limit (a GPU's default);
 #   6. bench/async_scheduling.py on CUDA: a decode step and its host-visible share, async
-#      scheduling against synchronous, fp32 and bf16 (the async tests run in step 1).
+#      scheduling against synchronous, fp32 and bf16 (the async tests run in step 1);
+#   7. bench/realistic_model.py: Nemotron-H-8B- and Qwen3.5-4B-shaped models in bf16 (random
+#      weights, no download): decode at 1/8/64/256 requests, 8k prefill and multi-turn TTFT,
+#      each against the bandwidth or compute limit measured in the same run. Last: the
+#      largest, so that everything before it has its results if the time runs out.
 #
 #   bash bench/gpu_checks.sh [results folder, default bench/results/gpu]
 #
@@ -46,4 +50,6 @@ for dtype in float32 bfloat16; do
     step "async_scheduling_$dtype" python3 bench/async_scheduling.py --device cuda \
         --dtype "$dtype" --repeats 2 --output "$out/async_scheduling_$dtype.json"
 done
+step realistic_model python3 bench/realistic_model.py --device cuda --dtype bfloat16 \
+    --output "$out/realistic_model.json"
 exit $status

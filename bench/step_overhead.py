@@ -9,7 +9,8 @@ One engine on the benchmark's random NemotronH checkpoint (bench/common.py; --qu
 one) with prefix caching and Mamba snapshots on, as served. N requests with 64-token prompts
 decode together; once all N run, each decode-only step is split into: `schedule` (the scheduler
 decides, the cache coordinator allocates and logs its ops), `execute` (the model runner: cache
-ops, forward, sampling), `update` (tokens appended, commits and stop checks) and the rest of
+ops, forward, sampling), `update` (the scheduler's `advance` and `settle`: cursors and commits,
+tokens appended and stop checks) and the rest of
 `Engine.step` (outputs, lease sweeps, cache events). Reported: medians per step, the share
 of the step spent outside `execute`, and the step against its floor: the GEMM time of N rows
 through every weight matrix, measured in the same run (bench/common.gemm_floor_ms). Each
@@ -52,6 +53,7 @@ class Timed:
     def __init__(self, owner: Any, name: str) -> None:
         self.seconds: list[float] = []
         self.owner, self.name = owner, name
+        self.shadowed = vars(owner).get(name)  # an instance attribute it replaces, if any
         inner: Callable[..., Any] = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -64,7 +66,10 @@ class Timed:
         setattr(owner, name, timed)
 
     def restore(self) -> None:
-        delattr(self.owner, self.name)  # the instance attribute shadowed the method
+        if self.shadowed is None:
+            delattr(self.owner, self.name)  # the instance attribute shadowed the method
+        else:
+            setattr(self.owner, self.name, self.shadowed)
 
 
 def no_model(plan: StepPlan) -> RunnerOutput:
@@ -85,8 +90,9 @@ def measure(llm: LLM, num_running: int, vocab: int, output_len: int) -> dict[str
         engine.step()  # prompts
     timers = {
         "schedule": Timed(engine.scheduler, "schedule"),
-        "execute": Timed(engine, "_execute"),
-        "update": Timed(engine.scheduler, "update"),
+        "execute": Timed(engine.executor, "submit"),  # synchronous: runs the plan
+        "advance": Timed(engine.scheduler, "advance"),
+        "settle": Timed(engine.scheduler, "settle"),
         "step": Timed(engine, "step"),
     }
     steps = 0
@@ -99,6 +105,9 @@ def measure(llm: LLM, num_running: int, vocab: int, output_len: int) -> dict[str
         engine.step()
     per_step = {name: t.seconds for name, t in timers.items()}
     assert {len(s) for s in per_step.values()} == {steps}, "one call of each per step"
+    # The scheduler's part after the model: cursors and commits, then the tokens.
+    parts = zip(per_step["advance"], per_step["settle"], strict=True)
+    per_step["update"] = [advance + settle for advance, settle in parts]
     ms = {name: statistics.median(s) * 1e3 for name, s in per_step.items()}
     rest = [
         step - schedule - execute - update

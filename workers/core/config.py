@@ -22,6 +22,12 @@ class EngineConfig(BaseModel):
         description="'tiny' (built in), an HF-format checkpoint folder, or a Hugging Face id "
         "(from the Hugging Face cache, downloaded when the Hub is reachable)",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto: the checkpoint's safetensors; dummy (vLLM's): random weights in "
+        "dtype, uniform in [-1e-3, 1e-3], made where they live, and only config.json read "
+        "(benchmarks of a model's shape without its download)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="weights and activations; auto: the checkpoint's torch_dtype on CUDA, "

@@ -60,7 +60,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        checkpoint = open_checkpoint(config.model)
+        checkpoint = open_checkpoint(config.model, config.load_format)
         # Concrete dtypes before anything (the ranks, the transfer layout) reads them.
         config = resolve_precision(config, checkpoint.raw_config)
         self.config = config

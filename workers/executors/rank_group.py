@@ -125,7 +125,8 @@ def run_rank(
     try:
         config = EngineConfig(**init.config)
         parallel = _parallel(config, init.rank, init.world_size)
-        runner = ModelRunner(config, open_checkpoint(config.model), parallel, device_index)
+        checkpoint = open_checkpoint(config.model, config.load_format)
+        runner = ModelRunner(config, checkpoint, parallel, device_index)
         if runner.device.type == "cpu" and share_cores:
             torch.set_num_threads(threads_per_rank(init.world_size))
         sizes = PoolSizes(**msgpack.unpackb(store.get("sizes"), raw=False))

@@ -100,6 +100,8 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     # Extra stop ids from generation_config.json (HF generate stops on these too).
     generation_eos_ids: tuple[int, ...] = ()
+    # load_format "dummy": `load_model` makes random weights instead of reading `tensors`.
+    random_weights: bool = False
     adapter: ArchitectureAdapter = field(init=False)
     config: HybridModelConfig = field(init=False)
     # How its quantized weights become float (None: a float checkpoint).
@@ -125,9 +127,20 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
 
 
-def open_checkpoint(model: str) -> Checkpoint:
+def open_checkpoint(model: str, load_format: str = "auto") -> Checkpoint:
     """`model` is "tiny" (built in), an HF-format checkpoint folder or a Hugging Face id
-    (models/hub.py)."""
+    (models/hub.py). `load_format` "dummy": its config.json only; `load_model` makes random
+    weights."""
+    if load_format == "dummy":
+        raw, config_file = _raw_config(model)
+        return Checkpoint(
+            name=model,
+            raw_config=raw,
+            config_file=config_file,
+            tensors=MemorySource({}, "no weights (load_format='dummy')"),
+            tokenizer=load_tokenizer(model),
+            random_weights=True,
+        )
     if model == "tiny":
         from hybridserve.workers.models.tiny import tiny_checkpoint
 
@@ -205,6 +218,9 @@ def load_model(
     with torch.device("meta"):
         shapes = HybridForCausalLM(checkpoint.config, ParallelContext(), dtype, mtp=mtp)
     model = HybridForCausalLM(checkpoint.config, parallel, dtype, device, mtp=mtp)
+    if checkpoint.random_weights:
+        _randomize(model)
+        return model
     full_shapes = {name: tuple(p.shape) for name, p in shapes.named_parameters()}
     source = checkpoint.tensors
     available = set(source.keys())
@@ -255,6 +271,19 @@ def load_model(
             "architecture) would load as wrong weights",
         )
     return model
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """vLLM's dummy weights: every parameter uniform in [-1e-3, 1e-3], drawn where it lives
+    (a GPU's 16 GB model in seconds), seeded so two runs hold the same model."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for param in model.parameters():
+            generator = generators.get(param.device)
+            if generator is None:
+                generator = torch.Generator(param.device).manual_seed(0)
+                generators[param.device] = generator
+            param.uniform_(-1e-3, 1e-3, generator=generator)
 
 
 def _load_kv_scales(
