@@ -24,6 +24,24 @@ FAMILIES = {
 }
 
 
+# Qwen3.5-4B's published shape (Qwen/Qwen3.5-4B's config.json): the benchmarks that build a
+# model of a real size (realistic_model.py, load_memory.py) take it from here.
+QWEN3_5_4B: dict[str, Any] = dict(
+    vocab_size=248320,
+    hidden_size=2560,
+    intermediate_size=9216,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    tie_word_embeddings=True,
+)
+
+
 def add_family_arguments(parser: argparse.ArgumentParser, benchmark: str) -> None:
     """`--family` (the checkpoint) and `--output` (default bench/results/<benchmark>.json, the
     family's name appended for any but NemotronH)."""

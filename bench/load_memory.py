@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hybridserve.bench.common import machine, write_result
+from hybridserve.bench.common import QWEN3_5_4B, machine, write_result
 
 BLOCK = 128
 SHARD_BYTES = 1 << 30
@@ -33,22 +33,8 @@ SHARD_BYTES = 1 << 30
 def build(folder: Path, quick: bool) -> None:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(
-        vocab_size=32768 if quick else 248320,
-        hidden_size=2560,
-        intermediate_size=9216,
-        num_hidden_layers=4 if quick else 32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-        torch_dtype="bfloat16",
-    )
+    shape = QWEN3_5_4B | ({"vocab_size": 32768, "num_hidden_layers": 4} if quick else {})
+    config = Qwen3_5TextConfig(max_position_embeddings=8192, torch_dtype="bfloat16", **shape)
     with torch.device("meta"):
         shapes = {k: tuple(p.shape) for k, p in Qwen3_5ForCausalLM(config).named_parameters()}
     folder.mkdir()

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import machine, write_result
+from hybridserve.bench.common import QWEN3_5_4B, machine, write_result
 from hybridserve.workers import LLM, SamplingParams
 
 DECODE_PROMPT, DECODE_STEPS = 128, 32
@@ -93,19 +93,7 @@ def write_nemotron_h_8b(folder: Path, quick: bool) -> None:
 def write_qwen3_5_4b(folder: Path, quick: bool) -> None:
     from transformers import Qwen3_5TextConfig
 
-    shape: dict[str, Any] = dict(
-        vocab_size=248320,
-        hidden_size=2560,
-        num_hidden_layers=32,
-        intermediate_size=9216,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-    )
+    shape = dict(QWEN3_5_4B)
     if quick:
         shape.update(
             vocab_size=4096,
@@ -121,10 +109,7 @@ def write_qwen3_5_4b(folder: Path, quick: bool) -> None:
             linear_value_head_dim=64,
         )
     Qwen3_5TextConfig(
-        max_position_embeddings=262144,
-        tie_word_embeddings=True,
-        torch_dtype="bfloat16",
-        **shape,
+        max_position_embeddings=262144, torch_dtype="bfloat16", **shape
     ).save_pretrained(folder)
 
 

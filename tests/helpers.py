@@ -500,6 +500,18 @@ def engine_logprobs(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     return tables
 
 
+def run_until_idle(engine: Any) -> dict[str, Any]:
+    """Step an engine until idle, checking the caches (and the rank's tables) after every
+    step; its finished outputs by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.check_integrity()
+    return finished
+
+
 def assert_pools_at_baseline(engine: Any) -> None:
     """Integrity holds, nothing is held by a request (nor a table on the rank), and once the
     prefix cache is cleared every block and slot is free again."""

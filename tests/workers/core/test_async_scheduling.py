@@ -11,21 +11,10 @@ import pytest
 
 from hybridserve.workers import Engine, EngineConfig, RequestOutput, SamplingParams
 from hybridserve.workers.core.scheduler import Scheduler
-from tests.helpers import assert_pools_at_baseline
+from tests.helpers import assert_pools_at_baseline, run_until_idle
 
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 8}
 PROMPTS = [list(b"hello world"), list(b"The quick brown fox"), list(b"jumps"), list(b"xyz!")]
-
-
-def run(engine: Engine) -> dict[str, RequestOutput]:
-    """Step until idle, checking the caches and the rank's tables after every step."""
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.check_integrity()
-    return finished
 
 
 def counting_run_ahead(monkeypatch) -> list[int]:
@@ -57,7 +46,7 @@ def workload(stop_token: int) -> list[tuple[list[int], SamplingParams]]:
 def generate(async_scheduling: bool, stop_token: int, **overrides) -> list[RequestOutput]:
     engine = Engine(EngineConfig(**(SMALL | overrides), async_scheduling=async_scheduling))
     ids = [engine.add_request(p, sp) for p, sp in workload(stop_token)]
-    finished = run(engine)
+    finished = run_until_idle(engine)
     assert_pools_at_baseline(engine)
     return [finished[i] for i in sorted(finished, key=lambda i: (ids.index(i.split("#")[0]), i))]
 
@@ -106,9 +95,9 @@ def test_turns_reuse_the_snapshots_of_turns_that_ran_ahead():
         )
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         first = engine.add_request(PROMPTS[1], params)
-        turn1 = run(engine)[first]
+        turn1 = run_until_idle(engine)[first]
         second = engine.add_request([*PROMPTS[1], *turn1.token_ids, *b" and more"], params)
-        turn2 = run(engine)[second]
+        turn2 = run_until_idle(engine)[second]
         assert_pools_at_baseline(engine)
         return [turn1, turn2]
 
@@ -131,7 +120,7 @@ def test_an_abort_while_a_step_runs_ahead_loses_nothing_else(monkeypatch):
             assert engine._ahead is not None  # the next step is on the rank already
         aborted = engine.abort("r1")
         assert aborted is not None and aborted.finish_reason == "abort"
-        finished = run(engine)
+        finished = run_until_idle(engine)
         assert_pools_at_baseline(engine)
         return finished
 

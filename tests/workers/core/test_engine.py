@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from hybridserve.workers import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
+from hybridserve.workers import LLM, Engine, EngineConfig, SamplingParams
 from hybridserve.workers.core.step_plan import SamplingRow
 from hybridserve.workers.models.tiny import write_tiny_checkpoint
-from tests.helpers import assert_pools_at_baseline, engine_logprobs
+from tests.helpers import assert_pools_at_baseline, engine_logprobs, run_until_idle
 
 # Small pools keep engine start-up cheap (the default CPU KV pool is 1 GiB).
 SMALL = {"max_model_len": 64, "block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 8}
@@ -24,21 +24,10 @@ def make_engine(**overrides) -> Engine:
     return Engine(EngineConfig(**(SMALL | overrides)))
 
 
-def run(engine: Engine) -> dict[str, RequestOutput]:
-    """Step until idle, checking the cache invariants after every step."""
-    finished: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        engine.check_integrity()
-    return finished
-
-
 def generate_alone(prompt: list[int], params: SamplingParams, **overrides) -> list[int]:
     engine = make_engine(**overrides)
     request_id = engine.add_request(prompt, params)
-    return run(engine)[request_id].token_ids
+    return run_until_idle(engine)[request_id].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +92,7 @@ def test_a_bad_request_raises_before_anything_changes_and_others_keep_running(ca
     assert state() == before
     # Nothing was registered under the rejected id.
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="bad")
-    finished = run(engine)
+    finished = run_until_idle(engine)
     assert finished["good"].token_ids == expected
     assert finished["good"].finish_reason == "length"
     assert len(finished["bad"].token_ids) == 2
@@ -118,10 +107,10 @@ def test_a_duplicate_request_id_is_rejected_while_the_first_runs():
     with pytest.raises(ValueError, match="request id 'r' is already in use"):
         engine.add_request(PROMPTS[1], GREEDY, request_id="r")
     assert (engine.cache.num_free_blocks, engine.cache.num_free_slots) == free
-    assert run(engine)["r"].prompt_token_ids == PROMPTS[0]
+    assert run_until_idle(engine)["r"].prompt_token_ids == PROMPTS[0]
     # Once finished, the id may be used again.
     engine.add_request(PROMPTS[1], GREEDY, request_id="r")
-    assert run(engine)["r"].prompt_token_ids == PROMPTS[1]
+    assert run_until_idle(engine)["r"].prompt_token_ids == PROMPTS[1]
 
 
 def test_generated_request_ids_skip_ids_the_caller_already_uses():
@@ -129,7 +118,7 @@ def test_generated_request_ids_skip_ids_the_caller_already_uses():
     engine.add_request(PROMPTS[0], GREEDY, request_id="req-0")
     generated = engine.add_request(PROMPTS[1], GREEDY)
     assert generated != "req-0"
-    finished = run(engine)
+    finished = run_until_idle(engine)
     assert sorted(finished) == sorted(["req-0", generated])
 
 
@@ -162,7 +151,7 @@ def test_preempted_requests_produce_the_same_tokens_as_with_an_ample_pool(
         )
         ids = [engine.add_request(p, sp) for p, sp in zip(PREEMPTION_PROMPTS, params, strict=True)]
         requests = list(engine.scheduler.waiting)
-        finished = run(engine)
+        finished = run_until_idle(engine)
         assert all(finished[i].finish_reason == "length" for i in ids)
         assert_pools_at_baseline(engine)
         return [finished[i].token_ids for i in ids], sum(r.num_preemptions for r in requests)
@@ -206,7 +195,7 @@ def test_abort_a_running_and_a_waiting_request(greedy_tokens):
 
     # The engine keeps working afterwards.
     again = engine.add_request(PROMPTS[1], GREEDY)
-    assert run(engine)[again].token_ids == greedy_tokens[1]
+    assert run_until_idle(engine)[again].token_ids == greedy_tokens[1]
 
 
 def test_abort_a_preempted_request_frees_everything():
@@ -218,7 +207,7 @@ def test_abort_a_preempted_request_frees_everything():
         engine.step()
     victim = next(r for r in requests if r.num_preemptions)
     assert engine.abort(victim.request_id).finish_reason == "abort"
-    finished = run(engine)
+    finished = run_until_idle(engine)
     assert sorted(finished) == sorted(i for i in ids if i != victim.request_id)
     assert_pools_at_baseline(engine)
 
@@ -325,7 +314,7 @@ def test_without_a_seed_the_engine_seed_and_request_id_decide():
     def sample(engine_seed: int, request_id: str) -> list[int]:
         engine = make_engine(seed=engine_seed)
         engine.add_request(PROMPTS[0], params, request_id=request_id)
-        return run(engine)[request_id].token_ids
+        return run_until_idle(engine)[request_id].token_ids
 
     reference = sample(0, "r")
     assert sample(0, "r") == reference
@@ -349,7 +338,7 @@ def test_each_sample_is_seeded_by_the_request_seed_and_the_token_position(monkey
         max_tokens=4, temperature=0.8, top_k=50, seed=5, min_tokens=2, stop_token_ids=(65,)
     )
     engine.add_request(PROMPTS[0], params)
-    run(engine)
+    run_until_idle(engine)
     assert [r.seeds for r in rows] == [(5,)] * 4
     prompt_len = len(engine.tokenize(PROMPTS[0]))
     assert positions == [prompt_len + i for i in range(4)]
@@ -370,7 +359,7 @@ def test_tokens_do_not_depend_on_the_batch(greedy_tokens):
     greedy_id = engine.add_request(PROMPTS[0], GREEDY)
     seeded_id = engine.add_request(PROMPTS[0], seeded)
     engine.add_request(PROMPTS[2], GREEDY)
-    finished = run(engine)
+    finished = run_until_idle(engine)
     assert len(finished) == 6 and set(other_ids) <= set(finished)
     assert finished[greedy_id].token_ids == greedy_tokens[0]
     assert finished[seeded_id].token_ids == alone_seeded
@@ -385,7 +374,7 @@ def test_tokens_do_not_depend_on_the_batch(greedy_tokens):
 def test_max_model_len_caps_prompt_plus_output(prompt_len, num_out):
     engine = make_engine(max_model_len=16)
     request_id = engine.add_request(list(b"x" * prompt_len), GREEDY)
-    output = run(engine)[request_id]
+    output = run_until_idle(engine)[request_id]
     assert (output.finish_reason, len(output.token_ids)) == ("length", num_out)
     assert_pools_at_baseline(engine)
 
@@ -493,7 +482,7 @@ def separate_choices(prompt: list[int], params: SamplingParams) -> list[list[int
 def test_n_choices_prefill_once_and_equal_separate_seeded_requests():
     engine = make_engine()
     request_id = engine.add_request(PROMPTS[1], CHOICES)
-    finished = run(engine)
+    finished = run_until_idle(engine)
     ids = [request_id, *(f"{request_id}#{i}" for i in range(1, 4))]
     assert sorted(finished) == sorted(ids)
     assert [finished[i].index for i in ids] == [0, 1, 2, 3]
@@ -512,7 +501,7 @@ def test_choices_that_find_no_room_at_the_fork_recompute_and_still_match():
     # and running ones are preempted; the tokens do not change.
     engine = make_engine(num_kv_blocks=14, max_model_len=32, max_num_seqs=2)
     request_id = engine.add_request(PROMPTS[1], CHOICES)
-    finished = run(engine)
+    finished = run_until_idle(engine)
     ids = [request_id, *(f"{request_id}#{i}" for i in range(1, 4))]
     assert [finished[i].token_ids for i in ids] == separate_choices(PROMPTS[1], CHOICES)
     assert engine.scheduler.num_forks < 3  # some choices could not fork in place
