@@ -1,11 +1,16 @@
 """What serving costs on top of the engine: the same prompts offline and through the service,
 colocated and 1 prefill + 1 decode, side by side in one run.
 
-    python bench/service_overhead.py [--quick] [--output bench/results/service_overhead.json]
+    python bench/service_overhead.py [--quick | --model tiny]
+                                     [--output bench/results/service_overhead.json]
 
-On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small one):
+On the benchmark's random NemotronH checkpoint (bench/common.py; --quick: the small one), or
+with `--model tiny` on the built-in `tiny` model, the fastest engine there is (a fraction of a
+millisecond a token), where whatever the service adds per token shows:
 - latency: one request at a time, a 90-token prompt and 64 output tokens, `--rounds` times
-  (fresh prompts): median time to first token and median inter-token latency;
+  (fresh prompts): median time to first token, median inter-token latency, and the mean
+  gap (each request's first to last token over its gaps, averaged: what a stream takes per
+  token, stalls included);
 - throughput: 32 concurrent requests (128-token prompts, 64 output tokens): output tokens/s,
   best of 2, as one burst (all 32 sent at once) and sustained (32 streams, each sending its
   next request as its last one ends, `--sustained-requests` each; offline, the engine gets a
@@ -64,10 +69,14 @@ class Prompt:
     output_len: int
 
 
+# Prompt token ids are drawn below this (the model's vocabulary, set in main).
+VOCAB = {"size": 4096}
+
+
 def prompts(count: int, length: int, output: int, seed: int) -> list[Prompt]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        Prompt(torch.randint(1, 4096, (length,), generator=gen).tolist(), output)
+        Prompt(torch.randint(1, VOCAB["size"], (length,), generator=gen).tolist(), output)
         for _ in range(count)
     ]
 
@@ -181,17 +190,20 @@ class Figures:
 
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
+    mean_gaps: list[float] = field(default_factory=list)  # per request
     rates: list[float] = field(default_factory=list)
     sustained_rates: list[float] = field(default_factory=list)
 
     def add(self, first: float, gaps: list[float]) -> None:
         self.ttfts.append(first)
         self.itls.extend(gaps)
+        self.mean_gaps.append(statistics.mean(gaps))
 
     def summary(self) -> dict[str, float]:
         return {
             "ttft_ms": statistics.median(self.ttfts) * 1e3,
             "itl_ms": statistics.median(self.itls) * 1e3,
+            "itl_mean_ms": statistics.mean(self.mean_gaps) * 1e3,
             "output_tokens_per_s": max(self.rates),
             "sustained_output_tokens_per_s": max(self.sustained_rates),
         }
@@ -224,7 +236,7 @@ def engine_threads(count: int) -> Iterator[int]:
 
 def side_by_side(
     llm: LLM,
-    folder: Path,
+    model_path: str,
     shape: dict[str, int],
     torch_threads: int | dict[str, int],
     stream_interval: int,
@@ -243,7 +255,7 @@ def side_by_side(
 
     model = "bench"
     config = shape | {
-        "model": str(folder),
+        "model": model_path,
         "served_model_name": model,
         "engine": ENGINE,
         "torch_threads": torch_threads,
@@ -326,6 +338,12 @@ def largest_engine(torch_threads: int | dict[str, int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small checkpoint")
+    parser.add_argument(
+        "--model",
+        choices=["bench", "tiny"],
+        default="bench",
+        help="bench: the benchmark's checkpoint; tiny: the built-in model",
+    )
     parser.add_argument("--rounds", type=int, default=20, help="single requests per system")
     parser.add_argument(
         "--torch-threads",
@@ -372,9 +390,12 @@ def main() -> None:
         parser.error(f"--offline-threads {args.offline_threads}: at least 1")
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        build_checkpoint(folder, quick=args.quick)
-        with LLM(str(folder), **ENGINE) as llm:
+        model = "tiny"
+        if args.model == "bench":
+            model = tmp
+            build_checkpoint(Path(tmp), quick=args.quick)
+        with LLM(model, **ENGINE) as llm:
+            VOCAB["size"] = llm.engine.model_config.vocab_size
             runs: list[tuple[str, dict[str, int], Any, int]] = [
                 (f"{name} t={threads}", shape, threads, 1)
                 for threads in args.torch_threads
@@ -400,7 +421,7 @@ def main() -> None:
                 seed = 100 * (len(systems) + 1)
                 run = side_by_side(
                     llm,
-                    folder,
+                    model,
                     shape,
                     threads,
                     interval,
@@ -422,6 +443,7 @@ def main() -> None:
                     "service": service,
                     "ttft_added_ms": service["ttft_ms"] - offline["ttft_ms"],
                     "itl_ratio": service["itl_ms"] / offline["itl_ms"],
+                    "itl_mean_added_ms": service["itl_mean_ms"] - offline["itl_mean_ms"],
                     "cpu_wait_policy": run.cpu_wait_policy,
                     "cpu_binding": run.cpu_binding,
                     "cpu_placements": run.cpu_placements,
@@ -432,14 +454,15 @@ def main() -> None:
                     / offline["sustained_output_tokens_per_s"],
                 }
     print(
-        f"{'system':>22} {'TTFT':>17} {'ITL':>15} {'tok/s @32':>13} {'sustained':>13}"
-        "   service vs offline  (offline | service, measured alternately)"
+        f"{'system':>22} {'TTFT':>17} {'ITL':>15} {'mean gap':>15} {'tok/s @32':>13} "
+        f"{'sustained':>13}   service vs offline  (offline | service, measured alternately)"
     )
     for name, row in systems.items():
         off, srv = row["offline"], row["service"]
         print(
             f"{name:>22} {off['ttft_ms']:>6.1f} |{srv['ttft_ms']:>6.1f} ms "
             f"{off['itl_ms']:>5.2f} |{srv['itl_ms']:>5.2f} ms "
+            f"{off['itl_mean_ms']:>5.2f} |{srv['itl_mean_ms']:>5.2f} ms "
             f"{off['output_tokens_per_s']:>5.0f} |{srv['output_tokens_per_s']:>5.0f}  "
             f"{off['sustained_output_tokens_per_s']:>5.0f} |"
             f"{srv['sustained_output_tokens_per_s']:>5.0f}   "
@@ -452,6 +475,7 @@ def main() -> None:
         args.output,
         {
             "benchmark": "service_overhead",
+            "model": args.model,
             "quick": args.quick,
             "machine": machine(),
             "latency": {"prompt_len": LATENCY_PROMPT, "output_len": LATENCY_OUTPUT},

@@ -127,6 +127,9 @@ class EngineHost:
         self.engine = built.result()
         try:
             self.engine.subscribe(self)
+            if self.engine.decode_port is not None:
+                # A landed transfer is work: the stepping loop must not sleep through it.
+                self.engine.decode_port.on_landed(self._wake.set)
             self.links = TransferLinks(
                 name,
                 self.engine,

@@ -61,8 +61,11 @@ SEEDED_CHOICES = SamplingParams(
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 def test_a_clean_transfer_equals_colocated(make_link, expected, backend):
     link = make_link(backend=backend)
+    landed: list[int] = []
+    link.decode.decode_port.on_landed(lambda: landed.append(1))  # the host's wake-up
     outcomes = link.transfer(SPECS)
     assert [o.status for o in outcomes] == ["acked"] * len(SPECS)
+    assert len(landed) == len(SPECS)
     # Every prompt block crosses (the decode side holds nothing yet), then its Mamba state.
     assert [o.blocks_sent for o in outcomes] == [3, 4, 2, 3]
     assert [o.blocks_held for o in outcomes] == [0, 0, 0, 0]
@@ -153,8 +156,11 @@ def test_a_receiver_timeout_recomputes_or_fails(make_link, expected, policy):
         wrap_sender=lambda b: FaultInjectingBackend(b, delay_seconds=0.6),
         receiver_timeout=0.2,
     )
+    landed: list[int] = []
+    link.decode.decode_port.on_landed(lambda: landed.append(1))  # recomputed or ended: work
     outcomes = link.transfer(SPECS[:2])
     assert [o.status for o in outcomes] == ["failed", "failed"]
+    wait_until(lambda: len(landed) == 2, "both failed receives to report")
     finished = link.decode_all()
     assert_recomputed_or_failed(
         finished,
