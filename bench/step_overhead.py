@@ -90,7 +90,7 @@ def measure(llm: LLM, num_running: int, vocab: int, output_len: int) -> dict[str
         engine.step()  # prompts
     timers = {
         "schedule": Timed(engine.scheduler, "schedule"),
-        "execute": Timed(engine.executor, "submit"),  # synchronous: runs the plan
+        "execute": Timed(engine.executor, "execute"),
         "advance": Timed(engine.scheduler, "advance"),
         "settle": Timed(engine.scheduler, "settle"),
         "step": Timed(engine, "step"),
