@@ -282,7 +282,7 @@ class ModelRunner:
         chunks = plan.chunks
         path = next(path for path in self.paths if path.accepts(chunks))
         output = path.run(chunks)
-        if output is not None:
+        if output is not None and self.config.async_scheduling:
             for chunk, sample in zip(chunks, output.samples, strict=True):
                 if sample is not None:
                     self._sampled[chunk.request_id] = sample.token_ids[0]
