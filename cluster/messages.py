@@ -23,7 +23,8 @@ from hybridserve.workers.core.sampling_params import SamplingParams
 # 7: GenerateRequest.system_prompt_len: where a chat prompt's system messages end.
 # 8: the router answers a route call with a Route or a RouteRefusal message.
 # 9: a request's first TokenEvent carries its queue time in the engine (`queued_s`).
-MESSAGES_VERSION = 9
+# 10: a route call carries the prompt's block chain (PromptChain), hashed at the ingress.
+MESSAGES_VERSION = 10
 
 M = TypeVar("M", bound="_Message")
 
@@ -175,6 +176,18 @@ class Route(_Message):
     def engines(self) -> list[str]:
         """The engines this route holds load on (each to be released once)."""
         return [name for name in (self.prefill, self.decode) if name is not None]
+
+
+@dataclass(frozen=True)
+class PromptChain(_Message):
+    """A prompt as the router looks it up (cluster/routing/prefix_index.py), hashed once where
+    the request is tokenised: `tokens`, the prompt less its last token (always computed), and
+    `chain`, the salt's root key and then the key of each full `block_size`-token block."""
+
+    tokens: list[int]
+    chain: list[bytes]
+    block_size: int
+    kind: ClassVar[str] = "prompt_chain"
 
 
 @dataclass(frozen=True)

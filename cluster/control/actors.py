@@ -13,7 +13,8 @@ import ray
 from hybridserve.cluster.control.feed_endpoint import ActorEndpoint
 from hybridserve.cluster.engine_host.cpu_binding import claim, free_cores, shares_a_pool
 from hybridserve.cluster.engine_host.router_events import RouterEvents
-from hybridserve.cluster.routing.prefix_index import PrefixIndex
+from hybridserve.cluster.messages import PromptChain
+from hybridserve.cluster.routing.prefix_index import PrefixIndex, ReuseScore, prompt_chain
 from hybridserve.cluster.routing.router import Router, RouterConfig, RouteRefused
 from hybridserve.cluster.transport.feed_server import FeedServer, FeedSession, TokenOutbox
 from hybridserve.cluster.transport.token_feed import EngineFeed
@@ -36,8 +37,8 @@ class RouteSession(FeedSession):
 
     async def _run(self, method: str, args: list[Any]) -> Any:
         match method, args:
-            case "route", [token_ids, cache_salt]:
-                return self.router.route(token_ids, cache_salt)
+            case "route", [prompt]:
+                return self.router.route(prompt)
             case "release", [engine]:
                 return self.router.release(engine)
             case "events", [engine, incarnation, seq, events]:
@@ -69,10 +70,7 @@ class RouterActor:
     ) -> None:
         """`decode_engines`: name -> max_num_seqs. `host`: where ingress replicas connect
         (default: this node's address)."""
-        self.index = PrefixIndex()
-        self.block_size, self.partial_reuse = block_size, partial_reuse
-        for name in (*prefill_engines, *decode_engines):
-            self.index.add_engine(name, block_size=block_size, partial_reuse=partial_reuse)
+        self.index = PrefixIndex(block_size, partial_reuse=partial_reuse)
         self.router = Router(
             RouterConfig(**config),
             self.index,
@@ -106,10 +104,11 @@ class RouterActor:
         self.index.apply(engine, events)
         self._next_seq[engine] = seq + 1
 
-    def route(self, token_ids: list[int], cache_salt: str | None) -> dict[str, Any]:
-        """A Route message, or a RouteRefusal when no engine takes the request now."""
+    def route(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A Route message for a PromptChain message, or a RouteRefusal when no engine takes
+        the request now."""
         try:
-            return self.router.route(token_ids, cache_salt).to_dict()
+            return self.router.route(PromptChain.from_dict(prompt)).to_dict()
         except RouteRefused as refused:
             return refused.to_message().to_dict()
 
@@ -124,20 +123,24 @@ class RouterActor:
         """A restarted engine (`capacity` None: a prefill engine); its index starts empty."""
         self.router.add_engine(name, capacity=capacity, incarnation=incarnation)
         self._next_seq.pop(name, None)
-        self.index.add_engine(name, block_size=self.block_size, partial_reuse=self.partial_reuse)
 
     def set_policy(self, policy: str) -> None:
         """Benchmarks compare policies on one deployment (each starts from the same state)."""
         self.router.set_policy(policy)
 
     def score(self, token_ids: list[int], cache_salt: str | None) -> dict[str, dict[str, Any]]:
-        return {k: asdict(v) for k, v in self.index.score(token_ids, cache_salt).items()}
+        """What each routable engine could reuse of a prompt (zeros included): for tests and
+        benchmarks, which hash the prompt here."""
+        scores = self.index.scores(prompt_chain(token_ids, cache_salt, self.index.block_size))
+        return {
+            name: asdict(scores.get(name) or ReuseScore(name, 0, 0)) for name in self.router.engines
+        }
 
     def stats(self) -> dict[str, Any]:
         return asdict(self.index.stats()) | {
-            "load": dict(self.router.load),
+            "load": self.router.loads(),
             "num_queued": self.router.num_queued(),
-            "engines": [*self.router.prefill_engines, *self.router.decode_engines],
+            "engines": self.router.engines,
             "policy": self.router.config.policy,
         }
 

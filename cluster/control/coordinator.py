@@ -291,6 +291,8 @@ class Coordinator:
             "addresses": {n: self.addresses[n] for n in live},
             "epoch": self.epoch,
             "model": self.model_info,
+            # The router's block chain, which replicas hash each prompt into.
+            "block_size": self.config.engine_config(self.config.roles()[0]).block_size,
         }
 
     async def mark_dead(

@@ -74,7 +74,10 @@ class ServiceClient:
             await self._engine_died(epoch, name, incarnations.get(name))
 
         orchestrator = Orchestrator(
-            RemoteRouter(self._feed(epoch, "router", 0, topology["router"], engine=False)),
+            RemoteRouter(
+                self._feed(epoch, "router", 0, topology["router"], engine=False),
+                topology["block_size"],
+            ),
             engines,
             engine_died,
             incarnations,

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hybridserve.cluster.messages import Route, RouteRefusal
-from hybridserve.cluster.routing.prefix_index import PrefixIndex, ReuseScore
+from hybridserve.cluster.messages import PromptChain, Route, RouteRefusal
+from hybridserve.cluster.routing.engine_loads import EngineLoads
+from hybridserve.cluster.routing.prefix_index import PrefixIndex, Reuse
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,26 @@ class Router:
         max_queued_requests: int | None = None,
     ) -> None:
         """`decode_engines`: each decode engine's `max_num_seqs`; `max_queued_requests`: None
-        for an unbounded queue."""
+        for an unbounded queue. The engines are added to `index` too."""
         self.config = config
         self.index = index
-        self.prefill_engines = list(prefill_engines)
-        self.decode_engines = list(decode_engines)
-        self.capacity = dict(decode_engines)
+        self.prefill = EngineLoads()
+        self.decode = EngineLoads()
+        self.capacity: dict[str, int] = {}
         self.max_queued_requests = max_queued_requests
-        self.incarnations = dict.fromkeys([*prefill_engines, *decode_engines], 0)
-        self.load: Counter[str] = Counter()
+        self.incarnations: dict[str, int] = {}
+        for name in prefill_engines:
+            self.add_engine(name, capacity=None, incarnation=0)
+        for name, capacity in decode_engines.items():
+            self.add_engine(name, capacity=capacity, incarnation=0)
         self._turns = itertools.count()
+
+    @property
+    def engines(self) -> list[str]:
+        return [*self.prefill.names, *self.decode.names]
+
+    def loads(self) -> dict[str, int]:
+        return self.prefill.loads() | self.decode.loads()
 
     def set_policy(self, policy: Policy) -> None:
         self.config = self.config.model_copy(update={"policy": policy})
@@ -100,44 +110,48 @@ class Router:
 
     def remove_engine(self, name: str) -> None:
         """A dead engine: never routed to again, and its index entries are dropped."""
-        for engines in (self.prefill_engines, self.decode_engines):
-            if name in engines:
-                engines.remove(name)
+        self.prefill.remove(name)
+        self.decode.remove(name)
         self.capacity.pop(name, None)
-        self.load.pop(name, None)
         self.index.remove_engine(name)
 
-    def route(self, token_ids: Sequence[int], cache_salt: str | None) -> Route:
+    def add_engine(self, name: str, *, capacity: int | None, incarnation: int) -> None:
+        """A (re)started engine: routable again, with an empty index (`capacity`: its
+        max_num_seqs for a decode engine, None for a prefill engine)."""
+        self.remove_engine(name)
+        slot = self.index.add_engine(name)
+        if capacity is None:
+            self.prefill.add(name, slot)
+        else:
+            self.decode.add(name, slot)
+            self.capacity[name] = capacity
+        self.incarnations[name] = incarnation
+
+    def route(self, prompt: PromptChain) -> Route:
         """Choose engines and count the request against their load (`release` each)."""
         self._admit()
         policy = self.config.policy
         if policy == "round-robin":
             route = self._round_robin()
         else:
-            scores = self.index.score(token_ids, cache_salt)
-            route = self._scored(len(token_ids), scores, snapshot_aware=policy != "attention-only")
+            route = self._scored(
+                len(prompt.tokens) + 1,
+                self.index.match(prompt),
+                snapshot_aware=policy != "attention-only",
+            )
         for engine in route.engines:
-            self.load[engine] += 1
+            self._loads(engine).change(engine, +1)
         return replace(route, incarnations={e: self.incarnations[e] for e in route.engines})
 
-    def add_engine(self, name: str, *, capacity: int | None, incarnation: int) -> None:
-        """A (re)started engine: routable again, with an empty index (`capacity`: its
-        max_num_seqs for a decode engine, None for a prefill engine)."""
-        self.remove_engine(name)
-        if capacity is None:
-            self.prefill_engines.append(name)
-        else:
-            self.decode_engines.append(name)
-            self.capacity[name] = capacity
-        self.incarnations[name] = incarnation
+    def _loads(self, engine: str) -> EngineLoads:
+        return self.prefill if engine in self.prefill else self.decode
 
     def num_queued(self, extra: int = 0) -> int:
         """Requests in flight (plus `extra`) beyond what the decode engines run at once."""
-        running = sum(self.capacity[e] for e in self.decode_engines)
-        return max(0, sum(self.load[e] for e in self.decode_engines) + extra - running)
+        return max(0, self.decode.total + extra - sum(self.capacity.values()))
 
     def _admit(self) -> None:
-        if not self.decode_engines:
+        if not len(self.decode):
             raise RouteRefused(503, "no decode engine is alive; retry once one is back")
         limit = self.max_queued_requests
         if limit is not None and self.num_queued(extra=1) > limit:
@@ -149,41 +163,29 @@ class Router:
 
     def release(self, engine: str) -> None:
         """One request no longer runs on `engine` (prefill: handed off; decode: finished)."""
-        if self.load[engine] > 0:
-            self.load[engine] -= 1
+        self._loads(engine).change(engine, -1)
 
     def _round_robin(self) -> Route:
         turn = next(self._turns)
-        decode = self.decode_engines[turn % len(self.decode_engines)]
-        if not self.prefill_engines:
+        decode = self.decode.at(turn)
+        if not len(self.prefill):
             return Route(None, decode, 0, "round-robin")
-        prefill = self.prefill_engines[turn % len(self.prefill_engines)]
+        prefill = self.prefill.at(turn)
         return Route(prefill, decode, 0, "round-robin")
 
-    def _best(self, engines: list[str], reuse: dict[str, int], turn: int) -> tuple[str, int]:
-        """Highest reuse minus load; ties go round the engines."""
-        cost = self.config.load_cost_tokens
-        order = {e: (i - turn) % len(engines) for i, e in enumerate(engines)}
-        best = max(engines, key=lambda e: (reuse.get(e, 0) - cost * self.load[e], -order[e]))
-        return best, reuse.get(best, 0)
-
-    def _scored(
-        self, num_tokens: int, scores: dict[str, ReuseScore], *, snapshot_aware: bool
-    ) -> Route:
+    def _scored(self, num_tokens: int, match: Reuse, *, snapshot_aware: bool) -> Route:
         turn = next(self._turns)
-        if snapshot_aware:
-            reuse = {name: s.snapshot_tokens for name, s in scores.items()}
-        else:
-            reuse = {name: s.attention_tokens for name, s in scores.items()}
-        if not self.prefill_engines:
-            decode, cached = self._best(self.decode_engines, reuse, turn)
+        cost = self.config.load_cost_tokens
+        reuse = match.snapshot if snapshot_aware else match.attention
+        if not len(self.prefill):
+            decode, cached = self.decode.best(reuse, turn, cost)
             return Route(None, decode, cached, "colocated")
         if not snapshot_aware:
-            decode, _ = self._best(self.decode_engines, {}, turn)
-            prefill, cached = self._best(self.prefill_engines, reuse, turn)
+            decode, _ = self.decode.best([], turn, cost)
+            prefill, cached = self.prefill.best(reuse, turn, cost)
             return Route(prefill, decode, cached, "attention-match")
-        decode, held = self._best(self.decode_engines, reuse, turn)
+        decode, held = self.decode.best(reuse, turn, cost)
         if held > 0 and num_tokens - held <= self.config.decode_prefill_threshold:
             return Route(None, decode, held, "decode-holder")
-        prefill, cached = self._best(self.prefill_engines, reuse, turn)
+        prefill, cached = self.prefill.best(reuse, turn, cost)
         return Route(prefill, decode, cached, "snapshot-match")

@@ -19,10 +19,12 @@ from typing import Any
 from hybridserve.cluster.messages import (
     GenerateRequest,
     PrefillResult,
+    PromptChain,
     Route,
     RouteRefusal,
     TokenEvent,
 )
+from hybridserve.cluster.routing.prefix_index import prompt_chain
 from hybridserve.cluster.routing.router import RouteRefused
 from hybridserve.cluster.transport.token_feed import EngineFeed
 
@@ -103,14 +105,17 @@ class RemoteEngine:
 
 
 class RemoteRouter:
-    """The router through `feed`, this replica's connection to it."""
+    """The router through `feed`, this replica's connection to it. The prompt's block chain
+    is hashed here, in the ingress replica, so that routers only walk it."""
 
-    def __init__(self, feed: EngineFeed) -> None:
+    def __init__(self, feed: EngineFeed, block_size: int) -> None:
         self.feed = feed
+        self.block_size = block_size
 
     async def route(self, token_ids: list[int], cache_salt: str | None) -> Route:
         """Where the request runs; RouteRefused when no engine takes it now."""
-        call = asyncio.ensure_future(self._route(token_ids, cache_salt))
+        prompt = prompt_chain(token_ids, cache_salt, self.block_size)
+        call = asyncio.ensure_future(self._route(prompt))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -118,8 +123,8 @@ class RemoteRouter:
             call.add_done_callback(self._release_unused)
             raise
 
-    async def _route(self, token_ids: list[int], cache_salt: str | None) -> Route:
-        answer = await self.feed.call("route", token_ids, cache_salt)
+    async def _route(self, prompt: PromptChain) -> Route:
+        answer = await self.feed.call("route", prompt.to_dict())
         if isinstance(answer, dict) and answer.get("kind") == RouteRefusal.kind:
             refusal = RouteRefusal.from_dict(answer)
             raise RouteRefused(refusal.status, refusal.message)

@@ -1,4 +1,4 @@
-"""The service overhead benchmark still runs end to end (quick mode): offline and served
+"""The service overhead benchmark still runs end to end (the tiny model): offline and served
 figures side by side, through the ingress's own address on a cluster it starts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_quick_run_measures_each_shape_beside_the_offline_engine(run_bench):
     result = run_bench(
         "service_overhead.py",
-        *("--quick", "--rounds", "2", "--torch-threads", "1", "--sustained-requests", "1"),
+        *("--model", "tiny", "--rounds", "2", "--torch-threads", "1", "--sustained-requests", "1"),
         *("--stream-interval", "1"),
     )
     systems = result["systems"]

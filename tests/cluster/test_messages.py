@@ -15,6 +15,7 @@ from hybridserve.cluster.messages import (
     GenerateRequest,
     MessageError,
     PrefillResult,
+    PromptChain,
     Route,
     RouteRefusal,
     TokenBatch,
@@ -41,6 +42,7 @@ MESSAGES = [
     Route("prefill-0", "decode-1", 512, "snapshot-match", {"prefill-0": 0, "decode-1": 2}),
     Route(None, "decode-0", 0, "decode-holder"),
     RouteRefusal(429, "the service is at capacity"),
+    PromptChain([5, 6, 7, 8, 9], [b"\x01" * 32, b"\x02" * 32], 4),
 ]
 
 

@@ -1,7 +1,7 @@
 """Conformance: multi-turn reuse gives exactly the tokens of a run without reuse.
 
 The workload is a repeat-shuffle task in token space (docs/snapshot-reuse.md explains the reuse
-it exercises): 9 conversations x 4 turns over 3 shared system prompts. Turn k's prompt = system
+it exercises): 6 conversations x 4 turns over 3 shared system prompts. Turn k's prompt = system
 prompt + earlier turns (user message + the model's own answer) + a new user message; its "base"
 is the same without the new message. Transcripts come from a run with prefix caching off; then,
 for each caching configuration, the turns are replayed in a shuffled order, each base warmed
@@ -32,7 +32,7 @@ from hybridserve.workers import LLM, SamplingParams
 from tests.fp8 import write_pair
 from tests.helpers import FAMILIES, assert_pools_at_baseline, make_hf_model, random_prompts
 
-NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 9, 4, 12
+NUM_CONVERSATIONS, NUM_TURNS, ANSWER_TOKENS = 6, 4, 12
 GREEDY = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
 WARM = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 COMMON = {"block_size": 16, "max_num_seqs": 8}

@@ -44,7 +44,7 @@ def router_endpoint(actor: Any) -> ActorEndpoint:
 
 def remote_router(actor: Any) -> RemoteRouter:
     """A replica's RemoteRouter, its feed opened with a ticket from the actor's `subscribe`."""
-    return RemoteRouter(EngineFeed("router", router_endpoint(actor)))
+    return RemoteRouter(EngineFeed("router", router_endpoint(actor)), actor.index.block_size)
 
 
 async def settled(actor: Any) -> dict[str, int]:

@@ -11,7 +11,7 @@ import pytest
 
 from hybridserve.cluster.engine_host.router_events import RouterEvents
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost
-from hybridserve.cluster.routing.prefix_index import PrefixIndex
+from hybridserve.cluster.routing.prefix_index import PrefixIndex, ReuseScore, prompt_chain
 from hybridserve.cluster.transport.token_feed import EngineFeed
 from hybridserve.workers import Engine, EngineConfig, SamplingParams
 from hybridserve.workers.cache.events import BlockRemoved, BlockStored, event_to_dict
@@ -36,8 +36,8 @@ class Forwarded:
 
 
 def oracle_index() -> PrefixIndex:
-    index = PrefixIndex()
-    index.add_engine(ENGINE, block_size=16, partial_reuse=False)
+    index = PrefixIndex(16, partial_reuse=False)
+    index.add_engine(ENGINE)
     return index
 
 
@@ -49,7 +49,10 @@ def run(engine: Engine, prompt: list[int]) -> None:
 
 def scores(index: PrefixIndex) -> list[dict[str, Any]]:
     """What the index says the engine would reuse of each prompt."""
-    return [vars(index.score(prompt, None, [ENGINE])[ENGINE]) for prompt in PROMPTS]
+    zero = ReuseScore(ENGINE, 0, 0)
+    return [
+        vars(index.scores(prompt_chain(prompt, None, 16)).get(ENGINE, zero)) for prompt in PROMPTS
+    ]
 
 
 def test_an_engine_s_events_reach_the_index_in_order_and_applied_waits_for_them():

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cluster.routing.prefix_index import PrefixIndex
+from hybridserve.cluster.routing.prefix_index import PrefixIndex, prompt_chain
 from hybridserve.cluster.routing.router import Router, RouterConfig, RouteRefused
 
 
 def make_router(max_queued: int | None, capacities: dict[str, int] | None = None) -> Router:
     capacities = capacities or {"decode-0": 2, "decode-1": 2}
-    index = PrefixIndex()
-    for name in ("prefill-0", *capacities):
-        index.add_engine(name, block_size=4, partial_reuse=False)
+    index = PrefixIndex(4, partial_reuse=False)
     return Router(RouterConfig(), index, ["prefill-0"], capacities, max_queued)
 
 
 def admit(router: Router, n: int) -> list[str]:
-    return [router.route([1, 2, 3, i], None).decode for i in range(n)]
+    return [router.route(prompt_chain([1, 2, 3, i], None, 4)).decode for i in range(n)]
 
 
 def test_requests_queue_up_to_the_limit_then_get_429_until_one_finishes():
