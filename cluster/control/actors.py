@@ -67,9 +67,11 @@ class RouterActor:
         partial_reuse: bool,
         max_queued_requests: int | None,
         host: str | None = None,
+        incarnations: dict[str, int] | None = None,
     ) -> None:
         """`decode_engines`: name -> max_num_seqs. `host`: where ingress replicas connect
-        (default: this node's address)."""
+        (default: this node's address). `incarnations`: the engines' (a router started in
+        place of a dead one; default 0 each)."""
         self.index = PrefixIndex(block_size, partial_reuse=partial_reuse)
         self.router = Router(
             RouterConfig(**config),
@@ -78,6 +80,7 @@ class RouterActor:
             decode_engines,
             max_queued_requests,
         )
+        self.router.incarnations.update(incarnations or {})
         self._next_seq: dict[str, int] = {}  # of each engine's cache event batches
         host = host or ray.util.get_node_ip_address()
         self.feeds = FeedServer("router", host, lambda: RouteSession(self))
@@ -187,18 +190,6 @@ class EngineActor:
                     node_address=ray.util.get_node_ip_address(),
                 ),
             )
-        # Ray runs an async actor's constructor on its event loop.
-        self.router_events = (
-            None
-            if router is None
-            else RouterEvents(
-                name,
-                incarnation,
-                lambda: EngineFeed("router", ActorEndpoint(router)),
-                asyncio.get_running_loop(),
-            )
-        )
-
         # Prefill engines and ingress replicas on other nodes reach this one at its own node's
         # address.
         host = transfer_host or ray.util.get_node_ip_address()
@@ -210,7 +201,6 @@ class EngineActor:
                 if placement is not None
                 else None
             ),
-            event_sink=self.router_events.send if self.router_events is not None else None,
             stream_interval=stream_interval,
             transfer_timeout=transfer_timeout,
             transfer_deadline=transfer_deadline,
@@ -219,6 +209,28 @@ class EngineActor:
         # Ingress replicas call it and read its token batches at the same address
         # (cluster/transport/token_feed.py).
         self.feeds = FeedServer(f"engine {name}", host, functools.partial(TokenOutbox, self.host))
+        self.incarnation = incarnation
+        self.router_events: RouterEvents | None = None
+        if router is not None:
+            self._send_events_to(router)
+
+    def _send_events_to(self, router: Any) -> None:
+        """This engine's cache events go to `router` from now on, what the cache holds first
+        (on the actor's event loop: Ray runs an async actor's constructor there too)."""
+        if self.router_events is not None:
+            self.router_events.close()
+        self.router_events = RouterEvents(
+            self.host.name,
+            self.incarnation,
+            lambda: EngineFeed("router", ActorEndpoint(router)),
+            asyncio.get_running_loop(),
+        )
+        self.host.add_event_sink("router", self.router_events.send)
+
+    async def add_router(self, router: Any) -> None:
+        """A router started in place of a dead one: its index is rebuilt from what this
+        engine's cache holds, sent first, then the events after it."""
+        self._send_events_to(router)
 
     def describe(self) -> dict[str, Any]:
         return self.host.describe()

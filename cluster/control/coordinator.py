@@ -8,11 +8,12 @@ Serve calls `check_health` periodically (and /health asks at once): an engine th
 answering, whose ranks failed or whose stepping loop is wedged is dropped from the router (its
 index entries go with it), its actors are killed or its placement group removed, and it is
 restarted after a backoff (`max_engine_restarts`, `engine_restart_backoff_s`, doubling per
-attempt) as a new incarnation under the same name, with an empty index. The service stays
-healthy while at least one decode engine is alive. On shutdown it drains the engines, then
-removes their placement groups. Once the engines are up (and as each restarts) it binds the CPU
-engines of each node to cores of their own where they fit (`cpu_binding`,
-cluster/engine_host/cpu_binding.py).
+attempt) as a new incarnation under the same name, with an empty index. A router that died is
+replaced at once, its index rebuilt from what each live engine's cache holds
+(`mark_router_dead`). The service stays healthy while at least one decode engine is alive. On
+shutdown it drains the engines, then removes their placement groups. Once the engines are up
+(and as each restarts) it binds the CPU engines of each node to cores of their own where they
+fit (`cpu_binding`, cluster/engine_host/cpu_binding.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Coordinator:
         self.placement_groups: dict[str, PlacementGroup] = {}
         self._restarting: dict[str, asyncio.Task[None]] = {}
         self.router: Any = None
+        self.router_id = ""  # the router actor's id: reports about an older one are stale
+        self.router_restarts = 0
+        self._router_lock = asyncio.Lock()
         try:
             self._start()
         except BaseException:
@@ -80,16 +84,7 @@ class Coordinator:
             for n, role in names.items()
             if role != "prefill"
         }
-        first = self.config.engine_config(self.config.roles()[0])
-        self.router = RouterActor.remote(
-            self.config.router.model_dump(),
-            prefill,
-            decode,
-            first.block_size,
-            first.enable_partial_reuse,
-            self.config.max_queued_requests,
-            self.config.transfer_host,
-        )
+        self.router = self._new_router(prefill, decode, {})
         self.resources: dict[str, dict[str, Any]] = {}
         # The deployment's transfer secret: its engines' links admit only each other.
         self.transfer_secret = new_secret()
@@ -124,6 +119,24 @@ class Coordinator:
         self.incarnations = dict.fromkeys(self.engines, 0)
         self.restarts: dict[str, int] = dict.fromkeys(self.engines, 0)
         logger.info("service ready: %s", ", ".join(f"{n} ({r})" for n, r in names.items()))
+
+    def _new_router(
+        self, prefill: list[str], decode: dict[str, int], incarnations: dict[str, int]
+    ) -> Any:
+        """A RouterActor over these engines (decode: name -> max_num_seqs), its index empty."""
+        first = self.config.engine_config(self.config.roles()[0])
+        router = RouterActor.remote(
+            self.config.router.model_dump(),
+            prefill,
+            decode,
+            first.block_size,
+            first.enable_partial_reuse,
+            self.config.max_queued_requests,
+            self.config.transfer_host,
+            incarnations,
+        )
+        self.router_id = router._actor_id.hex()
+        return router
 
     def _check_placeable(self, names: dict[str, Any]) -> None:
         """Refuse at once a service whose engines the cluster's nodes cannot hold even empty
@@ -286,6 +299,7 @@ class Coordinator:
         live = {n: h for n, h in self.engines.items() if n not in self.dead}
         return {
             "router": self.router,
+            "router_id": self.router_id,
             "engines": live,
             "incarnations": {n: self.incarnations[n] for n in live},
             "addresses": {n: self.addresses[n] for n in live},
@@ -309,7 +323,7 @@ class Coordinator:
         if epoch is not None and epoch != self.epoch:
             return
         self.dead.add(name)
-        await self.router.remove_engine.remote(name)
+        await self._tell_router("remove_engine", name)
         logger.error("engine %s is dead: removed from routing and the prefix index", name)
         group = self.placement_groups.pop(name, None)
         if group is not None:
@@ -341,6 +355,7 @@ class Coordinator:
         role = self.roles[name]
         engine = self.config.engine_config(role)
         incarnation = self.incarnations[name] + 1
+        router_id = self.router_id  # the router the engine starts sending its events to
         try:
             handle = await asyncio.to_thread(self._start_engine, name, engine, incarnation)
             described = await handle.describe.remote()
@@ -355,15 +370,66 @@ class Coordinator:
         self.addresses[name] = described["address"]
         self.incarnations[name] = incarnation
         capacity = None if role == "prefill" else engine.max_num_seqs
-        await self.router.add_engine.remote(name, capacity, incarnation)
-        self.dead.discard(name)
+        async with self._router_lock:
+            await self._tell_router("add_engine", name, capacity, incarnation)
+            if router_id != self.router_id:  # replaced while the engine started
+                await handle.add_router.remote(self.router)
+            self.dead.discard(name)
         logger.info("engine %s restarted (attempt %d, after %.1f s)", name, attempt, delay)
         try:
             await asyncio.to_thread(self._bind_cores, [name])
         except Exception as exc:  # an optimisation: it serves unbound
             logger.warning("engine %s: CPU binding skipped: %r", name, exc)
 
+    async def _tell_router(self, method: str, *args: Any) -> None:
+        """A change of the engines, for the router; a dead router misses nothing by it: the
+        one that replaces it starts from the engines as they are then."""
+        try:
+            await getattr(self.router, method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            logger.error("the router is gone (%r); it is restarted", exc)
+
+    async def mark_router_dead(self, router_id: str) -> None:
+        """The router `router_id` died (an ingress replica's connection to it ended with the
+        actor gone, or it failed a health check): a new one takes its place, told which
+        engines are alive, and each live engine sends it what its cache holds before any
+        later event, so its index is rebuilt. Ingress replicas route through it once they
+        refresh their topology. Returns once it is in place; a report about a router that
+        has been replaced already is ignored. Requests in flight keep the load the old
+        router counted for them out of the new one's count until they end."""
+        async with self._router_lock:
+            if router_id != self.router_id:
+                return
+            with contextlib.suppress(Exception):
+                ray.kill(self.router, no_restart=True)
+            live = [n for n in self.engines if n not in self.dead]
+            prefill = [n for n in live if self.roles[n] == "prefill"]
+            decode = {
+                n: self.config.engine_config(self.roles[n]).max_num_seqs
+                for n in live
+                if self.roles[n] != "prefill"
+            }
+            self.router = self._new_router(prefill, decode, {n: self.incarnations[n] for n in live})
+            self.router_restarts += 1
+            results = await asyncio.gather(
+                *(self.engines[n].add_router.remote(self.router) for n in live),
+                return_exceptions=True,
+            )
+            for name, result in zip(live, results, strict=True):
+                if isinstance(result, BaseException):  # its own health check takes it out
+                    logger.error("engine %s: could not join the new router: %r", name, result)
+            logger.warning("router restarted (%d so far); its index rebuilt", self.router_restarts)
+
+    async def _probe_router(self) -> None:
+        router_id = self.router_id
+        try:
+            await asyncio.wait_for(self.router.describe.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            logger.error("the router failed its health check: %r", exc)
+            await self.mark_router_dead(router_id)
+
     async def check_health(self) -> None:
+        await self._probe_router()
         await self._probe_engines()
         if not self._serving():
             raise RuntimeError("no decode engine is alive")
@@ -372,7 +438,7 @@ class Coordinator:
         """/health: whether a decode engine can serve now. Every live engine is asked at
         once (its stepping loop's heartbeat, not only whether its actor answers), so a
         wedged or dead engine turns this false within one probe and leaves routing."""
-        await self._probe_engines()
+        await asyncio.gather(self._probe_router(), self._probe_engines())
         return self._serving()
 
     def _serving(self) -> bool:

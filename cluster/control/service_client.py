@@ -11,14 +11,16 @@ engine restarted is stale: the request is routed again on a fresh one.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from hybridserve.cluster.control.feed_endpoint import ActorEndpoint
 from hybridserve.cluster.messages import GenerateRequest, TokenEvent
-from hybridserve.cluster.orchestrator import Orchestrator, StaleTopology
+from hybridserve.cluster.orchestrator import EngineDied, Orchestrator, StaleTopology
 from hybridserve.cluster.transport.handles import RemoteEngine, RemoteRouter
 from hybridserve.cluster.transport.token_feed import EngineFeed
+
+ROUTER = "router"  # the router's feed name: its EngineDied carries it
 
 
 class ServiceClient:
@@ -44,17 +46,23 @@ class ServiceClient:
 
     async def events(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """The request's TokenEvents. A route to an engine restarted since this replica took
-        its topology (StaleTopology, raised before any event) is retried once on a fresh
-        one."""
+        its topology (StaleTopology), or through a router that died (EngineDied, raised by
+        the route before any event), is retried once on a fresh topology: a dead router is
+        reported first, and the Coordinator answers once a new one is in place."""
         for attempt in range(2):
+            topology = await self._topo()
             try:
-                async for event in self._run(request, await self._topo()):
+                async for event in self._run(request, topology):
                     yield event
                 return
             except StaleTopology:
                 if attempt:
                     raise
                 self._topology = None
+            except EngineDied as dead:
+                if attempt or dead.name != ROUTER:
+                    raise
+                await self._router_died(topology["router_id"])
 
     async def _run(
         self, request: GenerateRequest, topology: dict[str, Any]
@@ -73,11 +81,15 @@ class ServiceClient:
         async def engine_died(name: str) -> None:
             await self._engine_died(epoch, name, incarnations.get(name))
 
+        router_feed = self._feed(
+            epoch,
+            ROUTER,
+            topology["router_id"],
+            topology["router"],
+            functools.partial(self._router_died, topology["router_id"]),
+        )
         orchestrator = Orchestrator(
-            RemoteRouter(
-                self._feed(epoch, "router", 0, topology["router"], engine=False),
-                topology["block_size"],
-            ),
+            RemoteRouter(router_feed, topology["block_size"]),
             engines,
             engine_died,
             incarnations,
@@ -96,19 +108,30 @@ class ServiceClient:
         finally:
             self._topology = None  # routed afresh from now on
 
+    async def _router_died(self, router_id: str) -> None:
+        """Report the router dead; the Coordinator returns once another is in place."""
+        try:
+            await self.coordinator.mark_router_dead.remote(router_id)
+        finally:
+            self._topology = None
+
     def _feed(
-        self, epoch: str, name: str, incarnation: int, handle: Any, *, engine: bool = True
+        self,
+        epoch: str,
+        name: str,
+        incarnation: int | str,
+        handle: Any,
+        on_death: Callable[[], Awaitable[None]] | None = None,
     ) -> EngineFeed:
         """This replica's connection to that engine incarnation, or to the router (one for
-        all requests). An engine's feed reports the engine's death, even with no request
-        open on it."""
+        all requests; `incarnation`: its actor id). A feed reports the death of its actor,
+        even with no request open on it (an engine's by default)."""
         key = (epoch, name, incarnation)
         feed = self._feeds.get(key)
         if feed is None or feed.dead:
             for old in [k for k, f in self._feeds.items() if k[1] == name and f is not feed]:
                 del self._feeds[old]  # earlier incarnations, or a Coordinator's before
-            on_death = (
-                functools.partial(self._engine_died, epoch, name, incarnation) if engine else None
-            )
+            if on_death is None:
+                on_death = functools.partial(self._engine_died, epoch, name, incarnation)
             feed = self._feeds[key] = EngineFeed(name, ActorEndpoint(handle), on_death)
         return feed

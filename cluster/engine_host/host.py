@@ -78,7 +78,6 @@ class EngineHost:
         name: str,
         engine_config: EngineConfig,
         *,
-        event_sink: EventSink | None = None,
         transfer_timeout: float = 30.0,
         transfer_deadline: float = 60.0,
         transfer_host: str = "127.0.0.1",
@@ -95,7 +94,7 @@ class EngineHost:
         self._streams: dict[str, RequestStream] = {}
         self._expected = threading.Condition()  # a stream opened by expect, or closed
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._event_sink = event_sink
+        self._event_sinks: dict[str, EventSink] = {}  # by name: the routers
         self._pending_events: list[CacheEvent] = []
         self._flush_lock = threading.Lock()
         self._accepting = True
@@ -536,8 +535,32 @@ class EngineHost:
         with self._flush_lock:
             with self.lock:
                 events, self._pending_events = self._pending_events, []
-            if events and self._event_sink is not None:
-                self._event_sink(self.name, [event_to_dict(e) for e in events])
+            self._send_events(events)
+
+    def _send_events(self, events: list[CacheEvent]) -> None:
+        if events and self._event_sinks:
+            batch = [event_to_dict(e) for e in events]
+            for sink in list(self._event_sinks.values()):
+                sink(self.name, batch)
+
+    def add_event_sink(self, name: str, sink: EventSink) -> None:
+        """Send the cache events to `sink` too (replacing one of that name): first what the
+        cache holds now, as one batch, then every batch after it. Events emitted before and
+        not sent yet go to the sinks already there first, so none reaches `sink` twice."""
+        with self._flush_lock:
+            with self.lock:
+                self.engine.publish_cache_events()  # into _pending_events
+                events, self._pending_events = self._pending_events, []
+                state = self.engine.cache.state_events()
+            self._event_sinks.pop(name, None)
+            self._send_events(events)
+            self._event_sinks[name] = sink
+            if state:
+                sink(self.name, [event_to_dict(e) for e in state])
+
+    def remove_event_sink(self, name: str) -> None:
+        with self._flush_lock:
+            self._event_sinks.pop(name, None)
 
     def _run(self, engine_config: EngineConfig, built: concurrent.futures.Future[Engine]) -> None:
         try:

@@ -75,7 +75,7 @@ class ReuseScore:
 @dataclass(slots=True)
 class Reuse:
     """What the engines could reuse of one prompt, as groups: (engines, tokens), `engines` a
-    mask over engine slots (`PrefixIndex.name`). An engine is in at most one group of each
+    mask over engine slots (`PrefixIndex.add_engine`'s). An engine is in at most one group of each
     kind, and in none where it could reuse nothing."""
 
     snapshot: list[tuple[int, int]]  # hybrid-reusable tokens
@@ -145,10 +145,6 @@ class PrefixIndex:
         self._engines = 0  # mask of the engines' slots
 
     # ---- engines ------------------------------------------------------------------------
-
-    @property
-    def engines(self) -> list[str]:
-        return list(self._slot)
 
     def add_engine(self, name: str) -> int:
         """Start tracking an engine (empty: it has not cached anything yet; one already
@@ -380,11 +376,6 @@ class PrefixIndex:
             assert name is not None
             scores[name] = ReuseScore(name, snapshot, attention)
         return scores
-
-    def name(self, slot: int) -> str:
-        name = self._names[slot]
-        assert name is not None, f"engine slot {slot} is free"
-        return name
 
     def _snapshots(
         self,

@@ -10,6 +10,7 @@ Policies (selectable, so benchmarks can compare them side by side in one run):
   to the holder, which already has most blocks.
 - `attention-only`: what peers do: prefill scored by the attention block match, decode by
   load alone.
+- `least-load`: the least loaded engines, whatever they hold (what a plain load balancer does).
 - `round-robin`: cycles through prefill engines and decode engines independently.
 
 Without prefill engines (a colocated deployment) the decode engines do everything and are
@@ -39,7 +40,7 @@ from hybridserve.cluster.routing.prefix_index import PrefixIndex, Reuse
 
 logger = logging.getLogger(__name__)
 
-Policy = Literal["snapshot-aware", "attention-only", "round-robin"]
+Policy = Literal["snapshot-aware", "attention-only", "least-load", "round-robin"]
 
 
 class RouterConfig(BaseModel):
@@ -133,6 +134,8 @@ class Router:
         policy = self.config.policy
         if policy == "round-robin":
             route = self._round_robin()
+        elif policy == "least-load":
+            route = self._least_loaded()
         else:
             route = self._scored(
                 len(prompt.tokens) + 1,
@@ -172,6 +175,13 @@ class Router:
             return Route(None, decode, 0, "round-robin")
         prefill = self.prefill.at(turn)
         return Route(prefill, decode, 0, "round-robin")
+
+    def _least_loaded(self) -> Route:
+        turn, cost = next(self._turns), max(1, self.config.load_cost_tokens)
+        decode, _ = self.decode.best([], turn, cost)
+        if not len(self.prefill):
+            return Route(None, decode, 0, "least-load")
+        return Route(self.prefill.best([], turn, cost)[0], decode, 0, "least-load")
 
     def _scored(self, num_tokens: int, match: Reuse, *, snapshot_aware: bool) -> Route:
         turn = next(self._turns)

@@ -329,6 +329,54 @@ def test_a_stale_prefix_index_costs_reuse_never_correctness(service, offline):
 # ---- scenarios 8 and 31: on a deployment of their own -----------------------------------
 
 
+def test_a_killed_router_is_replaced_with_its_index_rebuilt_and_nothing_lost(faults, offline):
+    """`ray.kill` of the router while requests run and more arrive: every request ends with
+    the offline engine's tokens (a route that met the dead router is retried on the router
+    that replaces it), the Coordinator replaces the router, and the new router's index is
+    rebuilt from what the engines hold: a finished turn scores as it did before the kill."""
+    params = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    api = client(faults)
+    first = fresh_prompt(851, 60)
+    answer = api.completions.create(model="tiny", prompt=first, max_tokens=16, **params)
+    follow_up = [*first, *answer.choices[0].token_ids, 5, 6, 7]
+    salt = derive_cache_salt(API_KEY, None)
+    old = faults.topology()
+
+    def scores(router: Any) -> dict[str, Any]:
+        return ray.get(router.score.remote(follow_up, salt))
+
+    def turn_indexed() -> dict[str, Any] | None:
+        held = scores(old["router"])
+        return held if held["decode-0"]["snapshot_tokens"] == len(first) + 15 else None
+
+    before = wait_for(turn_indexed, "the first turn's turn-end snapshot in the index")
+    prompts = [fresh_prompt(861 + i, 30 + 7 * i) for i in range(6)]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        reply = api.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, **params)
+        results[i] = reply.choices[0].token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for thread in threads[:3]:
+        thread.start()
+    time.sleep(0.2)
+    ray.kill(old["router"])
+    for thread in threads[3:]:  # routed after the kill: through the router that replaces it
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert {i: results.get(i) for i in range(6)} == {
+        i: offline_tokens(offline, prompts[i], max_tokens=24, **GREEDY) for i in range(6)
+    }
+    new = faults.topology()
+    assert new["router_id"] != old["router_id"] and not alive(old["router"])
+    assert scores(new["router"]) == before
+    index = ray.get(new["router"].stats.remote())
+    assert index["num_blocks"] > 0 and index["engines"] == ["prefill-0", "decode-0"]
+    assert_nothing_held(faults)
+
+
 def test_the_prefill_engine_killed_mid_hand_off_leaves_decode_serving(faults, offline):
     """`ray.kill` of the prefill engine while it hands a request off (the transfer in
     flight): the client gets the complete answer, recomputed by the decode engine (the

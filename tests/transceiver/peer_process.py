@@ -2,9 +2,10 @@
 
     python tests/transceiver/peer_process.py decode MODEL BACKEND [ENGINE_ARGS_JSON]
         prints {"address": [host, port]}, then one JSON line per finished request
-    python tests/transceiver/peer_process.py prefill MODEL BACKEND HOST:PORT [ENGINE_ARGS_JSON]
-        reads one JSON command per line: {"requests": [{"id", "prompt", "params", "salt"}]}
-        and prints one JSON line per transfer outcome, then {"batch_done": n}
+    python tests/transceiver/peer_process.py prefill MODEL BACKEND [ENGINE_ARGS_JSON]
+        reads the decode process's HOST:PORT as its first line (so both start at once), then
+        one JSON command per line: {"requests": [{"id", "prompt", "params", "salt"}]}, and
+        prints one JSON line per transfer outcome, then {"batch_done": n}
 
 Both end on stdin EOF.
 """
@@ -76,8 +77,11 @@ def run_decode(model: str, backend: str, extra: str | None) -> None:
         engine.check_integrity()
 
 
-def run_prefill(model: str, backend: str, address: str, extra: str | None) -> None:
+def run_prefill(model: str, backend: str, extra: str | None) -> None:
     engine = engine_for("prefill", model, backend, extra)
+    address = sys.stdin.readline().strip()
+    if not address:  # the test ended before it had one
+        return
     host, port = address.rsplit(":", 1)
     lock = threading.Lock()
     sender = TransferSender(
@@ -134,4 +138,4 @@ if __name__ == "__main__":
     if role == "decode":
         run_decode(model, backend, rest[0] if rest else None)
     else:
-        run_prefill(model, backend, rest[0], rest[1] if len(rest) > 1 else None)
+        run_prefill(model, backend, rest[0] if rest else None)

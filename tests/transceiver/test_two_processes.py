@@ -107,12 +107,13 @@ RUNS = [
 @pytest.mark.parametrize(("checkpoint", "backend"), RUNS, indirect=["checkpoint"])
 def test_disaggregated_tokens_equal_colocated(checkpoint, backend):
     batches = make_batches(vocab=128)
-    expected = colocated(checkpoint, batches)
+    # Both processes load their engines while this one computes the reference.
     decode = spawn("decode", checkpoint, backend)
-    prefill = None
+    prefill = spawn("prefill", checkpoint, backend)
     try:
+        expected = colocated(checkpoint, batches)
         host, port = read_json(decode.stdout)["address"]
-        prefill = spawn("prefill", checkpoint, backend, f"{host}:{port}")
+        prefill.stdin.write(f"{host}:{port}\n")
         outcomes = {}
         for batch in batches:
             prefill.stdin.write(json.dumps({"requests": batch}) + "\n")

@@ -34,7 +34,7 @@ from hybridserve.workers.cache.attention import AttentionBlockManager
 from hybridserve.workers.cache.events import BlockRemoved, BlockStored, CacheEvent
 from hybridserve.workers.cache.ops import CacheOp, CacheOpLog, CopySlot
 from hybridserve.workers.cache.prefix_tree import PrefixTree, Snapshot, TreeNode
-from hybridserve.workers.cache.recurrent import RecurrentStateManager
+from hybridserve.workers.cache.recurrent import RecurrentStateManager, snapshot_stored
 from hybridserve.workers.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -492,6 +492,18 @@ class CacheCoordinator:
     def take_events(self) -> list[CacheEvent]:
         events = list(self._events)
         self._events.clear()
+        return events
+
+    def state_events(self) -> list[CacheEvent]:
+        """What the cache holds now, as the events that build it from empty (parents first):
+        for a subscriber that joins late (a restarted router), before the events taken
+        after this call."""
+        events: list[CacheEvent] = []
+        for node in sorted(self.tree.nodes(), key=lambda n: n.ordinal):
+            assert node.parent is not None
+            events.append(BlockStored(node.key, node.parent.key, node.num_tokens))
+            if node.snapshot is not None:
+                events.append(snapshot_stored(node, node.snapshot.coverage))
         return events
 
     def take_ops(self) -> list[CacheOp]:

@@ -257,7 +257,7 @@ class RecurrentStateManager:
         snapshot = Snapshot(node, coverage)
         self.snapshots.attach(snapshot, slot)
         node.snapshot = snapshot
-        self.events.append(_snapshot_stored(node, coverage))
+        self.events.append(snapshot_stored(node, coverage))
         return snapshot
 
     def adopt(self, sibling: TreeNode, node: TreeNode) -> None:
@@ -272,7 +272,7 @@ class RecurrentStateManager:
             self.drop(node.snapshot)
         sibling.snapshot, node.snapshot, adopted.node = None, adopted, node
         self.events.append(SnapshotRemoved(sibling.key, adopted.coverage))
-        self.events.append(_snapshot_stored(node, adopted.coverage))
+        self.events.append(snapshot_stored(node, adopted.coverage))
 
     def demote(self, snapshot: Snapshot) -> None:
         """A deeper snapshot on the same path supersedes `snapshot` for anything continuing
@@ -339,7 +339,8 @@ class RecurrentStateManager:
         return problems
 
 
-def _snapshot_stored(node: TreeNode, coverage: int) -> SnapshotStored:
+def snapshot_stored(node: TreeNode, coverage: int) -> SnapshotStored:
+    """The event of a snapshot after `coverage` tokens of `node`."""
     if coverage == node.num_tokens:
         return SnapshotStored(node.key, coverage)
     assert node.parent is not None

@@ -360,7 +360,7 @@ class Engine:
                 self.scheduler.finish(request, "abort")
         for choice in [r for r in self.requests.values() if r.parent_id == request_id]:
             self.abort(choice.request_id)
-        self._publish_cache_events()
+        self.publish_cache_events()
         return request.to_output()
 
     def stop(self, request_id: str) -> None:
@@ -433,7 +433,7 @@ class Engine:
             return ended + self._take_ended()
         outputs = ended + self._settle(out, result)
         self._sweep_transfers()
-        self._publish_cache_events()
+        self.publish_cache_events()
         if not self.scheduler.has_unfinished():
             # Idle. A step that ran ahead of the last tokens computed for requests that have
             # ended since: nothing to take from it.
@@ -605,7 +605,8 @@ class Engine:
         `sink` after every step that produced some."""
         self._sinks.append(sink)
 
-    def _publish_cache_events(self) -> None:
+    def publish_cache_events(self) -> None:
+        """Deliver the cache events not delivered yet (each step ends with this)."""
         events = self.cache.take_events()
         if events:
             for sink in self._sinks:
@@ -614,7 +615,7 @@ class Engine:
     def clear_cache(self) -> None:
         """Drop every cached block and snapshot (running requests keep what they hold)."""
         self.cache.clear()
-        self._publish_cache_events()
+        self.publish_cache_events()
 
     def check_integrity(self) -> None:
         """The caches' bookkeeping, rank 0's block tables against the coordinator's, and

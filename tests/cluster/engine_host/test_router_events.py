@@ -1,6 +1,6 @@
 """An engine's cache events to the router (cluster/engine_host/router_events.py) over the router
-actor's own feed, the actor's class run in process. Oracle: a PrefixIndex fed the same events
-directly, in order."""
+actor's own feed, the actor's class run in process, and to a router that joins late. Oracle: a
+PrefixIndex fed the same events directly, in order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from hybridserve.cluster.engine_host.host import EngineHost
 from hybridserve.cluster.engine_host.router_events import RouterEvents
+from hybridserve.cluster.messages import GenerateRequest
 from hybridserve.cluster.orchestrator import EngineDied, FeedLost
 from hybridserve.cluster.routing.prefix_index import PrefixIndex, ReuseScore, prompt_chain
 from hybridserve.cluster.transport.token_feed import EngineFeed
@@ -180,3 +182,67 @@ def test_the_router_drops_batches_applied_already_and_those_of_an_older_incarnat
     actor.apply_events(ENGINE, 0, 2, STORED)
     assert actor.index.stats().num_blocks == 1
     actor.feeds.close()
+
+
+class Stream:
+    """A late router's index, checking that no block reaches it twice without a removal."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex(16)
+        self.index.add_engine(ENGINE)
+        self.held: set[bytes] = set()
+
+    def __call__(self, engine: str, batch: list[dict[str, Any]]) -> None:
+        for event in batch:
+            if event["kind"] == "block_stored":
+                assert event["block_hash"] not in self.held, "a block sent twice"
+                self.held.add(event["block_hash"])
+            elif event["kind"] == "block_removed":
+                self.held.discard(event["block_hash"])
+        self.index.apply(engine, batch)
+
+
+def test_a_router_that_joins_late_gets_the_cache_first_then_what_follows():
+    """Routers started in place of a dead one: the host sends each what the cache holds (one
+    batch), then every batch after it, none twice, even while requests run. Oracle: an index
+    fed every batch from the start; each late one must equal it, and score every prompt
+    alike."""
+    host = EngineHost(
+        ENGINE, EngineConfig(model="tiny", block_size=16, snapshot_interval=32, max_num_seqs=4)
+    )
+    early = Stream()
+    late: list[Stream] = []
+    prompts = [[(5 * i + start) % 250 + 1 for i in range(40 + 9 * start)] for start in range(8)]
+    prompts += [[*prompt, 7, 8, 9] for prompt in prompts]
+
+    async def one(prompt: list[int]) -> None:
+        request = GenerateRequest(f"r{len(prompt)}-{prompt[0]}", prompt, {"max_tokens": 5})
+        async for _ in host.generate(request):
+            pass
+
+    async def run(batch: list[list[int]]) -> None:
+        await asyncio.gather(*(one(p) for p in batch))
+
+    async def scenario() -> None:
+        host.add_event_sink("early", early)
+        await run(prompts[:4])
+        running = asyncio.ensure_future(run(prompts[4:12]))
+        while not running.done():  # routers joining while the requests run
+            late.append(Stream())
+            await asyncio.to_thread(host.add_event_sink, f"late-{len(late)}", late[-1])
+            await asyncio.sleep(0.002)
+        await run(prompts[12:])
+
+    try:
+        asyncio.run(scenario())
+        host.engine.publish_cache_events()
+        host._flush_cache_events()
+        held = sum(1 for _ in host.engine.cache.tree.nodes())
+        assert early.index.stats().num_blocks == held > 0 and len(late) > 1
+        for stream in late:
+            assert stream.index.stats() == early.index.stats()
+            for prompt in prompts:
+                chain = prompt_chain([*prompt, 1], None, 16)
+                assert stream.index.scores(chain) == early.index.scores(chain)
+    finally:
+        host.shutdown()

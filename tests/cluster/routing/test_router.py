@@ -1,6 +1,7 @@
 """The router's admission arithmetic: requests beyond the decode engines' sequence slots queue,
 up to `max_queued_requests`; the next is refused (429) until one finishes; with no decode
-engine alive every request is refused (503). Routing itself is covered by the service tests."""
+engine alive every request is refused (503). And what each policy chooses on one index; routing
+through the service is covered by the service tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from hybridserve.cluster.routing.prefix_index import PrefixIndex, prompt_chain
 from hybridserve.cluster.routing.router import Router, RouterConfig, RouteRefused
+from hybridserve.workers.cache.events import BlockStored, SnapshotStored
 
 
 def make_router(max_queued: int | None, capacities: dict[str, int] | None = None) -> Router:
@@ -60,3 +62,31 @@ def test_a_dead_decode_engine_takes_its_slots_with_it():
     with pytest.raises(RouteRefused) as refused:
         admit(router, 1)
     assert refused.value.status == 503
+
+
+def test_each_policy_picks_by_what_it_scores():
+    """Engine a holds two blocks of the prompt with a snapshot after the second (8 tokens
+    reusable); engine b holds three blocks with a snapshot after the first only (12 tokens of
+    attention, 4 reusable); engine c holds nothing. Colocated, a request in flight on a and on
+    b, load weighing 1 token a request."""
+    tokens = list(range(1, 14))  # lookup: 12 tokens, three full blocks of 4
+    prompt = prompt_chain(tokens, None, 4)
+    k1, k2, k3 = prompt.chain[1:]
+    root = prompt.chain[0]
+    stored = [BlockStored(k1, root, 4), BlockStored(k2, k1, 4), BlockStored(k3, k2, 4)]
+    routes = {}
+    for policy in ("snapshot-aware", "attention-only", "least-load", "round-robin"):
+        config = RouterConfig(policy=policy, load_cost_tokens=1)
+        router = Router(config, PrefixIndex(4), [], {"a": 8, "b": 8, "c": 8})
+        router.index.apply("a", [*stored[:2], SnapshotStored(k2, 4)])
+        router.index.apply("b", [*stored, SnapshotStored(k1, 4)])
+        for loaded in ("a", "b"):  # one request in flight on each
+            router.decode.change(loaded, +1)
+        route = router.route(prompt)
+        routes[policy] = (route.decode, route.expected_cached_tokens)
+    assert routes == {
+        "snapshot-aware": ("a", 8),  # 8 - 1 > 4 - 1
+        "attention-only": ("b", 12),  # by the attention match, whatever b can reuse (4)
+        "least-load": ("c", 0),  # the one with nothing in flight
+        "round-robin": ("a", 0),  # turn 0
+    }
