@@ -225,7 +225,7 @@ class EngineActor:
             lambda: EngineFeed("router", ActorEndpoint(router)),
             asyncio.get_running_loop(),
         )
-        self.host.add_event_sink("router", self.router_events.send)
+        self.host.cache_events.add_sink("router", self.router_events.send, self.host.engine)
 
     async def add_router(self, router: Any) -> None:
         """A router started in place of a dead one: its index is rebuilt from what this

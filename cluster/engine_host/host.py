@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from hybridserve.cluster.engine_host.cache_events import CacheEventFanout
 from hybridserve.cluster.engine_host.request_stream import (
     RequestStream,
     TokenSink,
@@ -48,7 +49,6 @@ from hybridserve.kernels.cpu import threads
 from hybridserve.transceiver.endpoint import SendOutcome
 from hybridserve.transceiver.shards import RankShardsPort
 from hybridserve.workers import Engine, EngineConfig, RequestOutput
-from hybridserve.workers.cache.events import CacheEvent, event_to_dict
 from hybridserve.workers.disaggregation.prefill_port import Handoff
 from hybridserve.workers.speculative.stats import SpeculationStats
 
@@ -65,7 +65,6 @@ EXPECT_WAIT_S = 2.0
 NUM_CLOSED_REMEMBERED = 4096
 IDLE_WAIT_SECONDS = 0.005
 AUDIT_INTERVAL_SECONDS = 30.0
-EventSink = Callable[[str, list[dict[str, Any]]], None]
 
 
 class EngineUnavailable(RuntimeError):
@@ -94,9 +93,7 @@ class EngineHost:
         self._streams: dict[str, RequestStream] = {}
         self._expected = threading.Condition()  # a stream opened by expect, or closed
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._event_sinks: dict[str, EventSink] = {}  # by name: the routers
-        self._pending_events: list[CacheEvent] = []
-        self._flush_lock = threading.Lock()
+        self.cache_events = CacheEventFanout(name, self.lock)
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -125,7 +122,7 @@ class EngineHost:
         self._thread.start()
         self.engine = built.result()
         try:
-            self.engine.subscribe(self)
+            self.engine.subscribe(self.cache_events)
             if self.engine.decode_port is not None:
                 # A landed transfer is work: the stepping loop must not sleep through it.
                 self.engine.decode_port.on_landed(self._wake.set)
@@ -436,7 +433,7 @@ class EngineHost:
         """Drop every cached block and snapshot and send the removal events now."""
         with self.lock:
             self.engine.clear_cache()
-        self._flush_cache_events()
+        self.cache_events.flush()
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is here; True if it was known."""
@@ -456,7 +453,7 @@ class EngineHost:
                 stream.end(request_id, "abort")
         elif output is not None and stream is not None:
             stream.end(request_id, "abort")
-        self._flush_cache_events()
+        self.cache_events.flush()
         return output is not None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -526,42 +523,6 @@ class EngineHost:
             if event.finished:
                 return
 
-    def on_cache_events(self, events: list[CacheEvent]) -> None:
-        """Engine callback (under the lock): queue for the stepping thread to flush in order."""
-        self._pending_events.extend(events)
-
-    def _flush_cache_events(self) -> None:
-        # One flusher at a time: batches leave in the order the engine emitted them.
-        with self._flush_lock:
-            with self.lock:
-                events, self._pending_events = self._pending_events, []
-            self._send_events(events)
-
-    def _send_events(self, events: list[CacheEvent]) -> None:
-        if events and self._event_sinks:
-            batch = [event_to_dict(e) for e in events]
-            for sink in list(self._event_sinks.values()):
-                sink(self.name, batch)
-
-    def add_event_sink(self, name: str, sink: EventSink) -> None:
-        """Send the cache events to `sink` too (replacing one of that name): first what the
-        cache holds now, as one batch, then every batch after it. Events emitted before and
-        not sent yet go to the sinks already there first, so none reaches `sink` twice."""
-        with self._flush_lock:
-            with self.lock:
-                self.engine.publish_cache_events()  # into _pending_events
-                events, self._pending_events = self._pending_events, []
-                state = self.engine.cache.state_events()
-            self._event_sinks.pop(name, None)
-            self._send_events(events)
-            self._event_sinks[name] = sink
-            if state:
-                sink(self.name, [event_to_dict(e) for e in state])
-
-    def remove_event_sink(self, name: str) -> None:
-        with self._flush_lock:
-            self._event_sinks.pop(name, None)
-
     def _run(self, engine_config: EngineConfig, built: concurrent.futures.Future[Engine]) -> None:
         try:
             threads.follow_torch_threads()
@@ -594,7 +555,7 @@ class EngineHost:
             dispatch([d for output in outputs if (d := self._deliver(output)) is not None])
             for handoff in handoffs:
                 self._ship(handoff)
-            self._flush_cache_events()
+            self.cache_events.flush()
             if not busy:
                 self._audit()
                 self._wake.wait(IDLE_WAIT_SECONDS * 20)

@@ -102,20 +102,20 @@ def fail_next_step(actor: Any) -> None:
 def evict_unannounced(actor: Any) -> int:
     """Drop every cached block and snapshot, and hold back the removal events: the prefix
     index keeps saying warm until `announce_held_events`."""
-    host = actor.host
-    with host._flush_lock, host.lock:
+    host, events = actor.host, actor.host.cache_events
+    with events._flush_lock, host.lock:
         host.engine.clear_cache()
-        actor.held_events, host._pending_events = host._pending_events, []
+        actor.held_events, events._pending = events._pending, []
     return len(actor.held_events)
 
 
 def announce_held_events(actor: Any) -> None:
     """Send the removal events `evict_unannounced` held back (ahead of any newer ones)."""
-    host = actor.host
-    with host._flush_lock, host.lock:
-        host._pending_events[:0] = actor.held_events
+    host, events = actor.host, actor.host.cache_events
+    with events._flush_lock, host.lock:
+        events._pending[:0] = actor.held_events
         actor.held_events = []
-    host._flush_cache_events()
+    events.flush()
 
 
 def num_streams(actor: Any) -> int:

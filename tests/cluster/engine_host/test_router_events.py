@@ -224,19 +224,21 @@ def test_a_router_that_joins_late_gets_the_cache_first_then_what_follows():
         await asyncio.gather(*(one(p) for p in batch))
 
     async def scenario() -> None:
-        host.add_event_sink("early", early)
+        host.cache_events.add_sink("early", early, host.engine)
         await run(prompts[:4])
         running = asyncio.ensure_future(run(prompts[4:12]))
         while not running.done():  # routers joining while the requests run
             late.append(Stream())
-            await asyncio.to_thread(host.add_event_sink, f"late-{len(late)}", late[-1])
+            await asyncio.to_thread(
+                host.cache_events.add_sink, f"late-{len(late)}", late[-1], host.engine
+            )
             await asyncio.sleep(0.002)
         await run(prompts[12:])
 
     try:
         asyncio.run(scenario())
         host.engine.publish_cache_events()
-        host._flush_cache_events()
+        host.cache_events.flush()
         held = sum(1 for _ in host.engine.cache.tree.nodes())
         assert early.index.stats().num_blocks == held > 0 and len(late) > 1
         for stream in late:
