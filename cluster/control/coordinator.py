@@ -322,8 +322,9 @@ class Coordinator:
             return
         if epoch is not None and epoch != self.epoch:
             return
-        self.dead.add(name)
-        await self._tell_router("remove_engine", name)
+        async with self._router_lock:  # a router being replaced sees it dead, or is told
+            self.dead.add(name)
+            await self._tell_router("remove_engine", name)
         logger.error("engine %s is dead: removed from routing and the prefix index", name)
         group = self.placement_groups.pop(name, None)
         if group is not None:
@@ -410,6 +411,7 @@ class Coordinator:
                 if self.roles[n] != "prefill"
             }
             self.router = self._new_router(prefill, decode, {n: self.incarnations[n] for n in live})
+            await self.router.describe.remote()  # up before anyone probes it
             self.router_restarts += 1
             results = await asyncio.gather(
                 *(self.engines[n].add_router.remote(self.router) for n in live),
@@ -421,9 +423,10 @@ class Coordinator:
             logger.warning("router restarted (%d so far); its index rebuilt", self.router_restarts)
 
     async def _probe_router(self) -> None:
-        router_id = self.router_id
+        async with self._router_lock:  # never one still starting
+            router, router_id = self.router, self.router_id
         try:
-            await asyncio.wait_for(self.router.describe.remote(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(router.describe.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:
             logger.error("the router failed its health check: %r", exc)
             await self.mark_router_dead(router_id)
